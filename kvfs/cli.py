@@ -1,0 +1,140 @@
+"""The `kvfs` command line: mount, umount, fsck. Failures are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+import humanfriendly
+
+from kvfs import daemon, fsck
+from kvfs.daemon import DEFAULT_DATA_DIR, MountConfig, MountError
+from kvfs.mounts import find_mount
+
+
+class CliError(Exception):
+    """A one-line reason to exit non-zero."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def size(text: str) -> int:
+    """512M, 10G, 2T (binary units, like df -h)."""
+    try:
+        return humanfriendly.parse_size(text, binary=True)
+    except humanfriendly.InvalidSize as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mountpoint", type=Path)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR,
+                        help=f"volume directory for metadata and data (default {DEFAULT_DATA_DIR})")
+    parser.add_argument("--capacity", type=size,
+                        help="bytes kvfs may use, e.g. 512M, 10G, 2T (default: the volume's free "
+                             "space at first mount; kept across mounts)")
+    parser.add_argument("--foreground", action="store_true", help="stay attached, log to stderr")
+    parser.add_argument("--debug", action="store_true", help="log every request")
+    parser.add_argument("--allow-other", action="store_true",
+                        help="let other users use the mount (needs user_allow_other for non-root)")
+    parser.add_argument("--fsync", action="store_true",
+                        help="flush file data to the volume before each commit (power-loss safe)")
+    parser.add_argument("--cache-size", type=size, default=MountConfig.cache_bytes,
+                        help="daemon read cache, bytes (default 256M)")
+    parser.add_argument("--readahead", type=size, default=MountConfig.readahead_bytes,
+                        help="bytes read from the volume per cache miss (default 32M)")
+    parser.add_argument("--read-ahead-kb", type=int, default=MountConfig.read_ahead_kb,
+                        help="kernel readahead of the mount, KiB (default %(default)s)")
+    parser.add_argument("--max-background", type=int, default=MountConfig.max_background,
+                        help="kernel FUSE requests in flight (default %(default)s)")
+    parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
+                        help="largest size of the LMDB metadata map (default 64G)")
+    parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
+
+
+def mount_command(args: argparse.Namespace) -> None:
+    config = MountConfig(
+        mountpoint=args.mountpoint, data=args.data, capacity=args.capacity,
+        foreground=args.foreground, debug=args.debug, allow_other=args.allow_other,
+        fsync=args.fsync, cache_bytes=args.cache_size, readahead_bytes=args.readahead,
+        read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
+        meta_map_size=args.meta_size, log_file=args.log_file,
+    )
+    daemon.run(config)
+
+
+def umount_command(args: argparse.Namespace) -> None:
+    mountpoint = args.mountpoint.resolve()
+    mount = find_mount(mountpoint)
+    if mount is None or not mount.source.startswith("kvfs:"):
+        raise CliError(f"{mountpoint} is not a kvfs mount")
+    lock = Path(mount.source.removeprefix("kvfs:")) / daemon.LOCK_NAME
+    pid = int(lock.read_text().strip() or 0) if lock.exists() else 0
+    result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise CliError(result.stderr.strip().splitlines()[-1] if result.stderr else
+                       f"fusermount3 -u {mountpoint} failed")
+    deadline = time.monotonic() + 30
+    while pid and _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def fsck_command(args: argparse.Namespace) -> None:
+    if not fsck.run(args.data, repair=args.repair):
+        sys.exit(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="kvfs", description="Shared KV-cache filesystem for LLM inference.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    mount = commands.add_parser("mount", help="mount a kvfs volume")
+    add_mount_arguments(mount)
+    mount.set_defaults(func=mount_command)
+    umount = commands.add_parser("umount", help="unmount and wait for the daemon to finish")
+    umount.add_argument("mountpoint", type=Path)
+    umount.set_defaults(func=umount_command)
+    check = commands.add_parser("fsck", help="check (and repair) an unmounted volume")
+    check.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR)
+    check.add_argument("--repair", action="store_true",
+                       help="drop damaged files, reclaim orphaned data, fix counters")
+    check.set_defaults(func=fsck_command)
+    return parser
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (CliError, MountError, fsck.FsckError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _run(build_parser(), argv)
+
+
+def mount_main(argv: list[str] | None = None) -> int:
+    """`python mount_kvfs.py MOUNTPOINT [options]`: the same as `kvfs mount`."""
+    parser = Parser(prog="mount_kvfs.py", description="Mount a kvfs volume.")
+    add_mount_arguments(parser)
+    parser.set_defaults(func=mount_command)
+    return _run(parser, argv)

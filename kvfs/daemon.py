@@ -1,0 +1,247 @@
+"""Mount lifecycle: checks, the volume lock, daemonizing, recovery, serving, clean shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import logging.handlers
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import pyfuse3
+import trio
+
+from kvfs import tuning
+from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
+from kvfs.data import DataStore
+from kvfs.fuse_ops import KernelNotifier, KvfsOperations
+from kvfs.handles import FileTable
+from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore
+from kvfs.mounts import find_mount
+from kvfs.stats import Stats
+
+log = logging.getLogger("kvfs")
+
+DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "kvfs"
+LOCK_NAME = "kvfs.lock"
+LOG_NAME = "kvfs.log"
+
+
+class MountError(Exception):
+    """A reason not to mount, shown to the user as one line."""
+
+
+@dataclass
+class MountConfig:
+    mountpoint: Path
+    data: Path = DEFAULT_DATA_DIR
+    capacity: int | None = None
+    foreground: bool = False
+    debug: bool = False
+    allow_other: bool = False
+    fsync: bool = False
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    readahead_bytes: int = DEFAULT_READAHEAD_BYTES
+    read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
+    max_background: int = tuning.DEFAULT_MAX_BACKGROUND
+    meta_map_size: int = DEFAULT_MAP_SIZE
+    log_file: Path | None = None
+
+
+def check_mountpoint(path: Path) -> None:
+    try:
+        if not path.is_dir():
+            raise MountError(f"mountpoint {path} is not a directory" if path.exists()
+                             else f"mountpoint {path} does not exist")
+    except OSError as error:
+        if error.errno == errno.ENOTCONN:
+            raise MountError(f"mountpoint {path} is a dead mount (its daemon is gone); "
+                             f"run: fusermount3 -u {path}") from None
+        raise MountError(f"mountpoint {path}: {error.strerror}") from None
+    if find_mount(path) is not None:
+        raise MountError(f"mountpoint {path} is already mounted")
+    if any(path.iterdir()):
+        raise MountError(f"mountpoint {path} is not empty")
+
+
+def lock_volume(data: Path) -> int:
+    """Take the volume's lock (held for the daemon's life); one daemon per data directory."""
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MountError(f"cannot create data directory {data}: {error.strerror}") from None
+    if not os.access(data, os.W_OK | os.X_OK):
+        raise MountError(f"data directory {data} is not writable")
+    fd = os.open(data / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode().strip() or "?"
+        os.close(fd)
+        raise MountError(f"data directory {data} is already served by kvfs daemon pid "
+                         f"{holder}") from None
+    return fd
+
+
+def record_pid(lock_fd: int) -> None:
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def open_metadata(config: MountConfig) -> MetaStore:
+    try:
+        return MetaStore(config.data / "meta", config.meta_map_size)
+    except (lmdb.Error, RuntimeError) as error:
+        raise MountError(f"metadata in {config.data / 'meta'} cannot be opened ({error}); "
+                         f"check it with: kvfs fsck --data {config.data}") from None
+
+
+def recover(meta: MetaStore, data: DataStore) -> None:
+    """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed data."""
+    published, discarded = data.recover(meta.is_committed_blob)
+    doomed = meta.doomed()
+    for blob_id in doomed:
+        data.remove(blob_id)
+    meta.reaped(doomed)
+    meta.flush_reaped()
+    if published or discarded or doomed:
+        log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
+                 published, discarded, len(doomed))
+
+
+def setup_logging(config: MountConfig) -> None:
+    level = logging.DEBUG if config.debug else logging.INFO
+    if config.foreground:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        handler = logging.FileHandler(config.log_file or config.data / LOG_NAME)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+class Daemon:
+    """One mounted kvfs: the stores, the FUSE session and its event loop."""
+
+    def __init__(self, config: MountConfig) -> None:
+        self.config = config
+        self.meta = open_metadata(config)
+        self.data = DataStore(config.data, fsync=config.fsync)
+        recover(self.meta, self.data)
+        if config.capacity is not None:
+            self.meta.set_capacity(config.capacity)
+        elif not self.meta.capacity():
+            self.meta.set_capacity(shutil.disk_usage(config.data).free)
+        self.stats = Stats()
+        self.notifier = KernelNotifier()
+        cache = BlockCache(self.data, config.cache_bytes, config.readahead_bytes)
+        self.files = FileTable(self.meta, self.data, cache, self.stats,
+                               on_dropped=self.notifier.entry_removed)
+        self.operations = KvfsOperations(self.meta, self.files, self.stats, self.notifier)
+
+    def mount(self) -> None:
+        options = set(pyfuse3.default_options)
+        options |= {f"fsname=kvfs:{self.config.data}", "subtype=kvfs"}
+        if self.config.allow_other:
+            options.add("allow_other")
+        if self.config.debug:
+            options.add("debug")
+        try:
+            pyfuse3.init(self.operations, str(self.config.mountpoint), options)
+        except RuntimeError as error:
+            raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
+        log.info("mounted %s at %s (capacity %d bytes)", self.config.data,
+                 self.config.mountpoint, self.meta.capacity())
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
+            nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("signal %d: unmounting", signum)
+                pyfuse3.terminate()
+                return
+
+    def _tune_kernel(self) -> None:
+        tuning.tune_mount(self.config.mountpoint, self.config.read_ahead_kb,
+                          self.config.max_background)
+
+    def close(self) -> None:
+        pyfuse3.close(unmount=True)
+        self.notifier.stop()
+        self.meta.flush_reaped()
+        self.meta.env.sync(True)
+        self.meta.close()
+        log.info("unmounted %s", self.config.mountpoint)
+
+
+def run(config: MountConfig) -> None:
+    """Mount and serve; without `foreground`, return once the mount is live (daemon forked)."""
+    config.mountpoint = config.mountpoint.resolve()
+    config.data = config.data.resolve()
+    check_mountpoint(config.mountpoint)
+    lock_fd = lock_volume(config.data)
+    if config.foreground:
+        record_pid(lock_fd)
+        setup_logging(config)
+        _serve(config)
+        return
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child:
+        os.close(write_end)
+        os.close(lock_fd)
+        with os.fdopen(read_end) as report:
+            message = report.read().strip()
+        if message != "ok":
+            os.waitpid(child, 0)
+            raise MountError(message or "kvfs daemon exited during start-up")
+        return
+    os.close(read_end)
+    os.setsid()
+    record_pid(lock_fd)
+    code = 0
+    try:
+        setup_logging(config)
+        _serve(config, ready_fd=write_end)
+    except MountError as error:
+        os.write(write_end, str(error).encode())
+        code = 1
+    except BaseException as error:
+        log.exception("kvfs daemon failed")
+        with contextlib.suppress(OSError):  # start-up failed: tell the waiting parent why
+            os.write(write_end, f"kvfs daemon failed: {error!r}".encode())
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _serve(config: MountConfig, ready_fd: int | None = None) -> None:
+    daemon = Daemon(config)
+    daemon.mount()
+    if ready_fd is not None:
+        os.write(ready_fd, b"ok")
+        os.close(ready_fd)
+        _detach_stdio()
+    try:
+        trio.run(daemon.serve)
+    finally:
+        daemon.close()
+
+
+def _detach_stdio() -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)

@@ -1,0 +1,158 @@
+"""`kvfs fsck`: check an unmounted volume's metadata against its data, and repair it.
+
+Checks every directory entry and inode, every blob record against its data file (size and
+every block checksum), looks for data files no record names, and recounts usage. Repair drops
+files whose data is missing or damaged, reclaims orphaned data and fixes the counters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from kvfs.daemon import MountError, lock_volume, recover
+from kvfs.data import DataStore
+from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore
+
+
+class FsckError(Exception):
+    """fsck cannot run at all (volume in use, not a kvfs volume)."""
+
+
+def run(data_dir: Path, repair: bool, console: Console | None = None) -> bool:
+    """Returns True when the volume is clean or was repaired."""
+    console = console or Console(stderr=True)
+    data_dir = data_dir.resolve()
+    if not (data_dir / "meta" / "data.mdb").exists():
+        raise FsckError(f"{data_dir} is not a kvfs volume (no meta/data.mdb)")
+    try:
+        lock_fd = lock_volume(data_dir)
+    except MountError as error:
+        raise FsckError(f"{error}; unmount it first") from None
+    try:
+        meta = MetaStore(data_dir / "meta")
+    except Exception as error:
+        os.close(lock_fd)
+        raise FsckError(f"metadata in {data_dir / 'meta'} is unreadable: {error}") from None
+    try:
+        checker = Checker(meta, DataStore(data_dir), console)
+        problems = checker.check(repair)
+    finally:
+        meta.close()
+        os.close(lock_fd)
+    if not problems:
+        console.print(f"kvfs fsck: {data_dir} is clean ({checker.files} files, "
+                      f"{checker.used} bytes)")
+        return True
+    verdict = "repaired" if repair else "found (run with --repair to fix)"
+    console.print(f"kvfs fsck: {problems} problems {verdict}")
+    return repair
+
+
+class Checker:
+    def __init__(self, meta: MetaStore, data: DataStore, console: Console) -> None:
+        self.meta = meta
+        self.data = data
+        self.console = console
+        self.problems = 0
+        self.files = 0
+        self.used = 0
+
+    def report(self, message: str) -> None:
+        self.problems += 1
+        self.console.print(f"  problem: {message}")
+
+    def check(self, repair: bool) -> int:
+        leftovers = len(list(self.data.staging_dir.iterdir())) + len(self.meta.doomed())
+        if leftovers:
+            self.report(f"{leftovers} staged or unlinked data files left by a crash")
+            if repair:
+                recover(self.meta, self.data)
+        inodes = {inode.ino: inode for inode in self.meta.inodes()}
+        self._check_entries(inodes, repair)
+        blobs = {blob.blob_id: blob for blob in self.meta.blobs()}
+        self._check_blobs(inodes, blobs, repair)
+        self._check_orphan_data(blobs, repair)
+        self._check_counters(repair)
+        return self.problems
+
+    def _check_entries(self, inodes: dict[int, Inode], repair: bool) -> None:
+        linked = {ROOT_INO}
+        for parent, name, ino in self.meta.entries():
+            if ino not in inodes or parent not in inodes:
+                self.report(f"entry {name!r} in directory {parent} names missing inode {ino}")
+                if repair:
+                    self.meta.remove_entry(parent, name, ino)
+            else:
+                linked.add(ino)
+        for ino in inodes.keys() - linked:
+            self.report(f"inode {ino} ({inodes[ino].name!r}) is in no directory")
+            if repair:
+                self.meta.drop_file(ino)
+            del inodes[ino]
+
+    def _check_blobs(self, inodes: dict[int, Inode], blobs: dict[int, BlobInfo],
+                     repair: bool) -> None:
+        owned = {inode.blob: inode for inode in inodes.values() if inode.blob}
+        for blob_id in owned.keys() - blobs.keys():
+            inode = owned.pop(blob_id)
+            self.report(f"{inode.name!r} (inode {inode.ino}) has no record of its data")
+            if repair:
+                self.meta.drop_file(inode.ino)
+        for blob_id in blobs.keys() - owned.keys():
+            self.report(f"data record {blob_id:016x} belongs to no file")
+            if repair:
+                self.meta.forget_blob(blob_id)
+        total = sum(blobs[blob_id].size for blob_id in owned)
+        with _progress(self.console) as progress:
+            task = progress.add_task("verifying data", total=total)
+            for blob_id, inode in owned.items():
+                blob = blobs[blob_id]
+                damage = self.data.verify(blob)
+                progress.advance(task, blob.size)
+                if damage is None:
+                    continue
+                self.report(f"{inode.name!r} (inode {inode.ino}): {damage}")
+                if repair:
+                    self.meta.drop_file(inode.ino)
+        if repair:
+            self._finish_unlinks()
+
+    def _check_orphan_data(self, blobs: dict[int, BlobInfo], repair: bool) -> None:
+        known = set(self.meta.doomed()) | {blob.blob_id for blob in self.meta.blobs()}
+        for shard in self.data.blobs_dir.iterdir():
+            for entry in os.scandir(shard):
+                try:
+                    blob_id = int(entry.name, 16)
+                except ValueError:
+                    blob_id = -1
+                if blob_id in known:
+                    continue
+                self.report(f"orphaned data file {entry.path} ({entry.stat().st_size} bytes)")
+                if repair:
+                    os.unlink(entry.path)
+
+    def _finish_unlinks(self) -> None:
+        doomed = self.meta.doomed()
+        for blob_id in doomed:
+            self.data.remove(blob_id)
+        self.meta.reaped(doomed)
+        self.meta.flush_reaped()
+
+    def _check_counters(self, repair: bool) -> None:
+        self.used = sum(blob.size for blob in self.meta.blobs())
+        self.files = sum(1 for inode in self.meta.inodes() if not inode.is_dir)
+        usage = self.meta.usage()
+        if (usage.used, usage.files) != (self.used, self.files):
+            self.report(f"usage counters say {usage.used} bytes in {usage.files} files, "
+                        f"counted {self.used} bytes in {self.files} files")
+            if repair:
+                self.meta.set_usage(self.used, self.files)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=console, transient=True)

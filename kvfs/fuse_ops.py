@@ -1,0 +1,283 @@
+"""The FUSE layer: translates kernel requests into metadata-store and file-table calls.
+
+Every handler is guarded: OSError becomes FUSEError with its errno, anything unexpected is
+logged with its traceback and answered with EIO, so no request can end the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import logging
+import os
+import queue
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyfuse3
+from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
+
+from kvfs.data import BLOCK_SIZE
+from kvfs.handles import FileTable
+from kvfs.meta import NAME_MAX, Inode, MetaStore
+from kvfs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+# Everything that changes the namespace goes through this kernel, which updates its own
+# caches; only the daemon's own changes (dropped files, commits) are pushed by notification.
+CACHE_TIMEOUT = 60.0
+USER_XATTR = b"user."
+STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
+
+
+def guarded(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def wrapper(self: KvfsOperations, *args: Any) -> Any:
+        try:
+            return await method(self, *args)
+        except FUSEError:
+            raise
+        except OSError as error:
+            raise FUSEError(error.errno or errno.EIO) from None
+        except Exception:
+            self.stats.handler_errors += 1
+            log.exception("%s%r failed", method.__name__, args[:3])
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def guard_handlers(cls: type) -> type:
+    for name, member in list(vars(cls).items()):
+        if inspect.iscoroutinefunction(member) and not name.startswith("_"):
+            setattr(cls, name, guarded(member))
+    return cls
+
+
+class KernelNotifier:
+    """Pushes cache invalidations to the kernel from a thread of its own.
+
+    A notification can wait on kernel locks held by requests that only our (single) event loop
+    can answer, so it must never be sent from the loop itself."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (notification := self._queue.get()) is not None:
+            try:
+                notification()
+            except OSError as error:  # the kernel may not know the inode or entry: fine
+                log.debug("kernel notification failed: %s", error)
+
+    def attributes_changed(self, ino: int) -> None:
+        self._queue.put(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
+
+    def entry_removed(self, inode: Inode) -> None:
+        self._queue.put(lambda: pyfuse3.invalidate_entry(inode.parent, inode.name, inode.ino))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+def entry_attributes(inode: Inode) -> EntryAttributes:
+    entry = EntryAttributes()
+    entry.st_ino = inode.ino
+    entry.st_mode = inode.mode
+    entry.st_nlink = inode.nlink
+    entry.st_uid = inode.uid
+    entry.st_gid = inode.gid
+    entry.st_size = inode.size
+    entry.st_blksize = BLOCK_SIZE
+    entry.st_blocks = -(-inode.size // 512)
+    entry.st_atime_ns = inode.atime_ns
+    entry.st_mtime_ns = inode.mtime_ns
+    entry.st_ctime_ns = inode.ctime_ns
+    entry.entry_timeout = CACHE_TIMEOUT
+    entry.attr_timeout = CACHE_TIMEOUT
+    return entry
+
+
+def negative_entry() -> EntryAttributes:
+    """A cacheable 'no such name': the kernel answers repeated misses itself."""
+    entry = EntryAttributes()
+    entry.st_ino = 0
+    entry.entry_timeout = CACHE_TIMEOUT
+    return entry
+
+
+@guard_handlers
+class KvfsOperations(pyfuse3.Operations):
+    def __init__(self, meta: MetaStore, files: FileTable, stats: Stats,
+                 notifier: KernelNotifier) -> None:
+        super().__init__()
+        self.meta = meta
+        self.files = files
+        self.stats = stats
+        self.notifier = notifier
+
+    # -- namespace -----------------------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext
+                     ) -> EntryAttributes:
+        if name == b".":
+            return entry_attributes(self.files.attributes(parent_inode))
+        if name == b"..":
+            return entry_attributes(self.meta.get(self.meta.get(parent_inode).parent))
+        inode = self.meta.lookup(parent_inode, name)
+        if inode is None:
+            self.stats.lookup_misses += 1
+            return negative_entry()
+        self.stats.lookup_hits += 1
+        return entry_attributes(self.files.attributes(inode.ino))
+
+    async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
+        return entry_attributes(self.files.attributes(inode))
+
+    async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
+                      fh: int | None, ctx: RequestContext) -> EntryAttributes:
+        if fields.update_size:
+            handle = self.files.handle(fh) if fh is not None else None
+            if handle is not None and handle.writable:
+                self.files.truncate(handle, attr.st_size)
+            else:
+                self.files.truncate_path(self.meta.get(inode), attr.st_size)
+                self.notifier.attributes_changed(inode)
+        changed = {
+            "mode": attr.st_mode if fields.update_mode else None,
+            "uid": attr.st_uid if fields.update_uid else None,
+            "gid": attr.st_gid if fields.update_gid else None,
+            "atime_ns": attr.st_atime_ns if fields.update_atime else None,
+            "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
+        }
+        if any(value is not None for value in changed.values()):
+            self.meta.set_attrs(inode, **changed)
+        return entry_attributes(self.files.attributes(inode))
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        if not stat.S_ISREG(mode):
+            raise FUSEError(errno.EPERM)  # fifos, sockets and devices have no place here
+        return entry_attributes(self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
+                    ) -> EntryAttributes:
+        inode = self.meta.make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid,
+                               ctx.gid)
+        return entry_attributes(inode)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        self.files.unlinked(self.meta.remove(parent_inode, name, is_dir=False))
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        self.meta.remove(parent_inode, name, is_dir=True)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: RequestContext) -> None:
+        replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                                    flags)
+        if replaced is not None:
+            self.files.unlinked(replaced)
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: RequestContext) -> EntryAttributes:
+        raise FUSEError(errno.EPERM)
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: RequestContext) -> EntryAttributes:
+        raise FUSEError(errno.EPERM)
+
+    async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
+        raise FUSEError(errno.EINVAL)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for inode, _ in inode_list:
+            self.files.forget(inode)
+
+    # -- directories ---------------------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: RequestContext) -> int:
+        if not self.meta.get(inode).is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for name, inode in self.meta.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
+        usage = self.meta.usage()
+        used = self.files.used_bytes()
+        result = pyfuse3.StatvfsData()
+        result.f_bsize = result.f_frsize = STATFS_BLOCK
+        result.f_blocks = usage.capacity // STATFS_BLOCK
+        result.f_bfree = result.f_bavail = max(0, usage.capacity - used) // STATFS_BLOCK
+        result.f_ffree = result.f_favail = 1 << 32
+        result.f_files = usage.files + result.f_ffree
+        result.f_namemax = NAME_MAX
+        return result
+
+    # -- files ---------------------------------------------------------------------------
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
+                               ctx.gid)
+        opened = self.files.open(inode, flags & ~os.O_TRUNC)
+        return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
+                        keep_cache=opened.keep_cache), entry_attributes(inode)
+
+    async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
+        opened = self.files.open(self.meta.get(inode), flags)
+        return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        return self.files.read(fh, off, size)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self.files.write(fh, off, buf)
+
+    async def flush(self, fh: int) -> None:
+        handle = self.files.handle(fh)
+        if self.files.flush(handle):
+            self.notifier.attributes_changed(handle.ino)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.files.handle(fh)
+        if handle.staged is not None:
+            os.fdatasync(handle.staged.fd)
+
+    async def release(self, fh: int) -> None:
+        self.files.release(fh)
+
+    # -- extended attributes -------------------------------------------------------------
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: RequestContext
+                       ) -> None:
+        if not name.startswith(USER_XATTR):
+            raise FUSEError(errno.ENOTSUP)
+        self.meta.setxattr(inode, name, value)
+
+    async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
+        if not name.startswith(USER_XATTR):
+            raise FUSEError(errno.ENODATA)
+        return self.meta.getxattr(inode, name)
+
+    async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
+        return self.meta.listxattr(inode)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
+        if not name.startswith(USER_XATTR):
+            raise FUSEError(errno.ENOTSUP)
+        self.meta.removexattr(inode, name)

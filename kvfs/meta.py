@@ -1,0 +1,571 @@
+"""The metadata store: namespace, attributes, xattrs and blob records in one LMDB environment.
+
+This module is the only one that touches LMDB. Everything lives in `DATA/meta/` (data.mdb,
+lock.mdb). All integers in keys are 8-byte big-endian so that LMDB's byte order is numeric order.
+
+Key schema (one named database per family):
+
+    inode    ino                      -> Inode record (struct INODE_FMT, then the entry's name)
+    dentry   parent ino + name        -> child ino             (lookup by name)
+    dirlist  parent ino + child ino   -> name                  (readdir in stable ino order)
+    xattr    ino + attribute name     -> value
+    blob     blob id                  -> owner ino, size, block size, xxh3-64 per block
+    doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
+    counters name                     -> u64   (next_ino, next_blob, used_bytes, files, ...)
+    settings name                     -> bytes (format, capacity)
+
+An inode's file content is one immutable blob: a write handle fills a new blob and its close
+commits it by pointing the inode at it in one transaction. Readdir resumes after the last
+returned child ino, so a listing stays complete and stable while entries come and go.
+
+Errors are raised as OSError with a precise errno; the FUSE layer passes them through.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+import struct
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lmdb
+
+ROOT_INO = 1
+NAME_MAX = 255
+XATTR_VALUE_MAX = 64 * 1024
+FORMAT = b"kvfs-1"
+DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
+
+_U64 = struct.Struct(">Q")
+_INODE = struct.Struct("<IIIIQqqqQQQ")
+_BLOB = struct.Struct("<QQI")
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def from_u64(raw: bytes) -> int:
+    return _U64.unpack(raw)[0]
+
+
+def fail(code: int) -> OSError:
+    return OSError(code, errno.errorcode.get(code, str(code)))
+
+
+@dataclass(frozen=True, slots=True)
+class Inode:
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    parent: int
+    blob: int  # 0: no data (empty file or directory)
+    version: int  # bumped by every content commit: tells page-cache users what changed
+    name: bytes
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    def pack(self) -> bytes:
+        return (
+            _INODE.pack(
+                self.mode, self.nlink, self.uid, self.gid, self.size, self.atime_ns,
+                self.mtime_ns, self.ctime_ns, self.parent, self.blob, self.version,
+            )
+            + self.name
+        )
+
+    @classmethod
+    def unpack(cls, ino: int, raw: bytes) -> Inode:
+        fields = _INODE.unpack_from(raw)
+        return cls(ino, *fields[:9], blob=fields[9], version=fields[10],
+                   name=bytes(raw[_INODE.size:]))
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    """What is known about one immutable data file: its owner, size and block checksums."""
+
+    blob_id: int
+    ino: int
+    size: int
+    block_size: int
+    sums: array  # xxh3-64 of each block
+
+    def pack(self) -> bytes:
+        return _BLOB.pack(self.ino, self.size, self.block_size) + self.sums.tobytes()
+
+    @classmethod
+    def unpack(cls, blob_id: int, raw: bytes) -> BlobInfo:
+        ino, size, block_size = _BLOB.unpack_from(raw)
+        sums = array("Q")
+        sums.frombytes(bytes(raw[_BLOB.size:]))
+        return cls(blob_id, ino, size, block_size, sums)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    capacity: int
+    used: int
+    files: int
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise fail(errno.ENAMETOOLONG)
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise fail(errno.EINVAL)
+
+
+class MetaStore:
+    """Namespace and attributes of one kvfs volume, kept in LMDB."""
+
+    def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        # metasync=False: a power loss may undo the last commits but never breaks the database.
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=8, metasync=False,
+                             readahead=False)
+        self._db = {
+            family: self.env.open_db(family.encode())
+            for family in ("inode", "dentry", "dirlist", "xattr", "blob", "doomed",
+                           "counters", "settings")
+        }
+        self._reaped: list[int] = []  # doomed blobs already deleted, dropped at the next commit
+        with self.env.begin(write=True) as txn:
+            stored = txn.get(b"format", db=self._db["settings"])
+            if stored is None:
+                self._format(txn)
+            elif stored != FORMAT:
+                raise RuntimeError(f"unsupported metadata format {stored!r} in {path}")
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _format(self, txn: lmdb.Transaction) -> None:
+        now = time.time_ns()
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now, ROOT_INO, 0, 0,
+                     b"")
+        txn.put(u64(ROOT_INO), root.pack(), db=self._db["inode"])
+        txn.put(b"format", FORMAT, db=self._db["settings"])
+        self._set_counter(txn, "next_ino", ROOT_INO + 1)
+        self._set_counter(txn, "next_blob", 1)
+
+    # -- small helpers -------------------------------------------------------------------
+
+    def _begin_write(self) -> lmdb.Transaction:
+        txn = self.env.begin(write=True)
+        doomed = self._db["doomed"]
+        for blob_id in self._reaped:
+            txn.delete(u64(blob_id), db=doomed)
+        self._reaped.clear()
+        return txn
+
+    def _write(self) -> _WriteTxn:
+        return _WriteTxn(self)
+
+    def _counter(self, txn: lmdb.Transaction, name: str) -> int:
+        raw = txn.get(name.encode(), db=self._db["counters"])
+        return from_u64(raw) if raw else 0
+
+    def _set_counter(self, txn: lmdb.Transaction, name: str, value: int) -> None:
+        txn.put(name.encode(), u64(value), db=self._db["counters"])
+
+    def _add_counter(self, txn: lmdb.Transaction, name: str, delta: int) -> int:
+        value = self._counter(txn, name) + delta
+        self._set_counter(txn, name, value)
+        return value
+
+    def _get(self, txn: lmdb.Transaction, ino: int) -> Inode:
+        raw = txn.get(u64(ino), db=self._db["inode"])
+        if raw is None:
+            raise fail(errno.ENOENT)
+        return Inode.unpack(ino, raw)
+
+    def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
+        txn.put(u64(inode.ino), inode.pack(), db=self._db["inode"])
+
+    def _dir(self, txn: lmdb.Transaction, ino: int) -> Inode:
+        inode = self._get(txn, ino)
+        if not inode.is_dir:
+            raise fail(errno.ENOTDIR)
+        return inode
+
+    def _child(self, txn: lmdb.Transaction, parent: int, name: bytes) -> Inode | None:
+        raw = txn.get(u64(parent) + name, db=self._db["dentry"])
+        return None if raw is None else self._get(txn, from_u64(raw))
+
+    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
+        txn.put(u64(parent) + name, u64(ino), db=self._db["dentry"])
+        txn.put(u64(parent) + u64(ino), name, db=self._db["dirlist"])
+
+    def _unlink(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
+        txn.delete(u64(parent) + name, db=self._db["dentry"])
+        txn.delete(u64(parent) + u64(ino), db=self._db["dirlist"])
+
+    def _has_children(self, txn: lmdb.Transaction, ino: int) -> bool:
+        cursor = txn.cursor(db=self._db["dirlist"])
+        return cursor.set_range(u64(ino)) and cursor.key()[:8] == u64(ino)
+
+    def _drop_inode(self, txn: lmdb.Transaction, inode: Inode) -> None:
+        """Remove an unlinked inode's record, its xattrs, and doom its blob."""
+        txn.delete(u64(inode.ino), db=self._db["inode"])
+        prefix = u64(inode.ino)
+        cursor = txn.cursor(db=self._db["xattr"])
+        if cursor.set_range(prefix):
+            while cursor.key()[:8] == prefix and cursor.delete():
+                pass
+        if not inode.is_dir:
+            self._add_counter(txn, "files", -1)
+        self._release_blob(txn, inode.blob)
+
+    def _release_blob(self, txn: lmdb.Transaction, blob_id: int) -> None:
+        if not blob_id:
+            return
+        raw = txn.pop(u64(blob_id), db=self._db["blob"])
+        if raw is not None:
+            self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).size)
+        txn.put(u64(blob_id), b"", db=self._db["doomed"])
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Inode:
+        with self.env.begin() as txn:
+            return self._get(txn, ino)
+
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        if len(name) > NAME_MAX:
+            raise fail(errno.ENAMETOOLONG)
+        with self.env.begin() as txn:
+            return self._child(txn, parent, name)
+
+    def blob(self, blob_id: int) -> BlobInfo:
+        with self.env.begin() as txn:
+            raw = txn.get(u64(blob_id), db=self._db["blob"])
+        if raw is None:
+            raise fail(errno.EIO)
+        return BlobInfo.unpack(blob_id, raw)
+
+    def readdir(self, parent: int, after_ino: int) -> Iterator[tuple[bytes, Inode]]:
+        """Entries of `parent` with child ino > after_ino, in ino order."""
+        prefix = u64(parent)
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self._db["dirlist"])
+            if not cursor.set_range(prefix + u64(after_ino + 1)):
+                return
+            for key, name in cursor:
+                if key[:8] != prefix:
+                    return
+                child = txn.get(key[8:], db=self._db["inode"])
+                if child is not None:
+                    yield bytes(name), Inode.unpack(from_u64(key[8:]), child)
+
+    def usage(self) -> Usage:
+        with self.env.begin() as txn:
+            return Usage(self._capacity(txn), self._counter(txn, "used_bytes"),
+                         self._counter(txn, "files"))
+
+    def _capacity(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(b"capacity", db=self._db["settings"])
+        return from_u64(raw) if raw else 0
+
+    def capacity(self) -> int:
+        with self.env.begin() as txn:
+            return self._capacity(txn)
+
+    def set_capacity(self, capacity: int) -> None:
+        with self._write() as txn:
+            txn.put(b"capacity", u64(capacity), db=self._db["settings"])
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        with self.env.begin() as txn:
+            self._get(txn, ino)
+            value = txn.get(u64(ino) + name, db=self._db["xattr"])
+        if value is None:
+            raise fail(errno.ENODATA)
+        return bytes(value)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        prefix = u64(ino)
+        with self.env.begin() as txn:
+            self._get(txn, ino)
+            cursor = txn.cursor(db=self._db["xattr"])
+            names = []
+            if cursor.set_range(prefix):
+                for key in cursor.iternext(values=False):
+                    if key[:8] != prefix:
+                        break
+                    names.append(bytes(key[8:]))
+        return names
+
+    def inodes(self) -> Iterator[Inode]:
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._db["inode"]):
+                yield Inode.unpack(from_u64(key), raw)
+
+    def blobs(self) -> Iterator[BlobInfo]:
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._db["blob"]):
+                yield BlobInfo.unpack(from_u64(key), raw)
+
+    def doomed(self) -> list[int]:
+        with self.env.begin() as txn:
+            return [from_u64(k) for k in txn.cursor(db=self._db["doomed"]).iternext(values=False)]
+
+    def entries(self) -> Iterator[tuple[int, bytes, int]]:
+        """Every (parent, name, child) directory entry."""
+        with self.env.begin() as txn:
+            for key, child in txn.cursor(db=self._db["dentry"]):
+                yield from_u64(key[:8]), bytes(key[8:]), from_u64(child)
+
+    def is_committed_blob(self, blob_id: int) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(u64(blob_id), db=self._db["blob"]) is not None
+
+    # -- namespace changes ---------------------------------------------------------------
+
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        """Create a regular file or a directory (by `mode`) named `name` in `parent`."""
+        check_name(name)
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise fail(errno.EPERM)
+        now = time.time_ns()
+        with self._write() as txn:
+            parent_inode = self._dir(txn, parent)
+            if self._child(txn, parent, name) is not None:
+                raise fail(errno.EEXIST)
+            ino = self._add_counter(txn, "next_ino", 1) - 1
+            is_dir = stat.S_ISDIR(mode)
+            inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, 0, now, now, now, parent, 0,
+                          0, name)
+            self._put(txn, inode)
+            self._link(txn, parent, name, ino)
+            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
+                                   mtime_ns=now, ctime_ns=now))
+            if not is_dir:
+                self._add_counter(txn, "files", 1)
+        return inode
+
+    def remove(self, parent: int, name: bytes, is_dir: bool) -> Inode:
+        """unlink (is_dir False) or rmdir (True); returns the removed inode."""
+        check_name(name)
+        now = time.time_ns()
+        with self._write() as txn:
+            parent_inode = self._dir(txn, parent)
+            inode = self._child(txn, parent, name)
+            if inode is None:
+                raise fail(errno.ENOENT)
+            if is_dir and not inode.is_dir:
+                raise fail(errno.ENOTDIR)
+            if not is_dir and inode.is_dir:
+                raise fail(errno.EISDIR)
+            if is_dir and self._has_children(txn, inode.ino):
+                raise fail(errno.ENOTEMPTY)
+            self._unlink(txn, parent, name, inode.ino)
+            self._drop_inode(txn, inode)
+            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink - inode.is_dir,
+                                   mtime_ns=now, ctime_ns=now))
+        return inode
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> Inode | None:
+        """Move an entry, atomically replacing a compatible target; returns the replaced inode."""
+        check_name(old_name)
+        check_name(new_name)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+                RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise fail(errno.EINVAL)
+        now = time.time_ns()
+        with self._write() as txn:
+            self._dir(txn, old_parent)
+            self._dir(txn, new_parent)
+            moved = self._child(txn, old_parent, old_name)
+            if moved is None:
+                raise fail(errno.ENOENT)
+            target = self._child(txn, new_parent, new_name)
+            if moved.is_dir and self._is_ancestor(txn, moved.ino, new_parent):
+                raise fail(errno.EINVAL)
+            if flags & RENAME_EXCHANGE:
+                if target is None:
+                    raise fail(errno.ENOENT)
+                if target.is_dir and self._is_ancestor(txn, target.ino, old_parent):
+                    raise fail(errno.EINVAL)
+                self._exchange(txn, moved, target, now)
+                return None
+            if target is not None:
+                if target.ino == moved.ino:
+                    return None
+                if flags & RENAME_NOREPLACE:
+                    raise fail(errno.EEXIST)
+                self._check_replaceable(txn, moved, target)
+                self._unlink(txn, new_parent, new_name, target.ino)
+                self._drop_inode(txn, target)
+                if target.is_dir:
+                    self._adjust_parent(txn, new_parent, -1, now)
+            self._unlink(txn, old_parent, old_name, moved.ino)
+            self._link(txn, new_parent, new_name, moved.ino)
+            self._put(txn, replace(self._get(txn, moved.ino), parent=new_parent, name=new_name,
+                                   ctime_ns=now))
+            self._adjust_parent(txn, old_parent, -moved.is_dir, now)
+            self._adjust_parent(txn, new_parent, moved.is_dir, now)
+        return target
+
+    def _check_replaceable(self, txn: lmdb.Transaction, moved: Inode, target: Inode) -> None:
+        if moved.is_dir and not target.is_dir:
+            raise fail(errno.ENOTDIR)
+        if not moved.is_dir and target.is_dir:
+            raise fail(errno.EISDIR)
+        if target.is_dir and self._has_children(txn, target.ino):
+            raise fail(errno.ENOTEMPTY)
+
+    def _exchange(self, txn: lmdb.Transaction, first: Inode, second: Inode, now: int) -> None:
+        self._unlink(txn, first.parent, first.name, first.ino)
+        self._unlink(txn, second.parent, second.name, second.ino)
+        self._link(txn, first.parent, first.name, second.ino)
+        self._link(txn, second.parent, second.name, first.ino)
+        self._put(txn, replace(first, parent=second.parent, name=second.name, ctime_ns=now))
+        self._put(txn, replace(second, parent=first.parent, name=first.name, ctime_ns=now))
+        if first.parent != second.parent and first.is_dir != second.is_dir:
+            shift = first.is_dir - second.is_dir
+            self._adjust_parent(txn, first.parent, -shift, now)
+            self._adjust_parent(txn, second.parent, shift, now)
+
+    def _adjust_parent(self, txn: lmdb.Transaction, ino: int, nlink_delta: int, now: int) -> None:
+        inode = self._get(txn, ino)
+        self._put(txn, replace(inode, nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+
+    def _is_ancestor(self, txn: lmdb.Transaction, ancestor: int, ino: int) -> bool:
+        while True:
+            if ino == ancestor:
+                return True
+            if ino == ROOT_INO:
+                return False
+            ino = self._get(txn, ino).parent
+
+    def set_attrs(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                  gid: int | None = None, atime_ns: int | None = None,
+                  mtime_ns: int | None = None) -> Inode:
+        with self._write() as txn:
+            inode = self._get(txn, ino)
+            changes: dict[str, int] = {"ctime_ns": time.time_ns()}
+            if mode is not None:
+                changes["mode"] = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            for field, value in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns),
+                                 ("mtime_ns", mtime_ns)):
+                if value is not None:
+                    changes[field] = value
+            inode = replace(inode, **changes)
+            self._put(txn, inode)
+        return inode
+
+    def allocate_blob_id(self) -> int:
+        with self._write() as txn:
+            return self._add_counter(txn, "next_blob", 1) - 1
+
+    def commit_content(self, ino: int, blob: BlobInfo | None) -> tuple[Inode, int]:
+        """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
+
+        Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
+        now = time.time_ns()
+        with self._write() as txn:
+            inode = self._get(txn, ino)
+            old_blob = inode.blob
+            self._release_blob(txn, old_blob)
+            size = 0
+            if blob is not None:
+                txn.put(u64(blob.blob_id), blob.pack(), db=self._db["blob"])
+                self._add_counter(txn, "used_bytes", blob.size)
+                size = blob.size
+            inode = replace(inode, size=size, blob=blob.blob_id if blob else 0,
+                            version=inode.version + 1, mtime_ns=now, ctime_ns=now)
+            self._put(txn, inode)
+        return inode, old_blob
+
+    def drop_file(self, ino: int) -> Inode | None:
+        """Remove a file whose data is lost (corrupt or missing); None if already gone."""
+        with self._write() as txn:
+            try:
+                inode = self._get(txn, ino)
+            except OSError:
+                return None
+            self._unlink(txn, inode.parent, inode.name, ino)
+            self._drop_inode(txn, inode)
+        return inode
+
+    def remove_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """fsck: delete a directory entry whose inode is missing."""
+        with self._write() as txn:
+            self._unlink(txn, parent, name, ino)
+
+    def forget_blob(self, blob_id: int) -> None:
+        """fsck: delete a blob record no inode points at (its data file goes with it)."""
+        with self._write() as txn:
+            txn.delete(u64(blob_id), db=self._db["blob"])
+            txn.put(u64(blob_id), b"", db=self._db["doomed"])
+
+    def set_usage(self, used: int, files: int) -> None:
+        """fsck: reset the usage counters to what was counted."""
+        with self._write() as txn:
+            self._set_counter(txn, "used_bytes", used)
+            self._set_counter(txn, "files", files)
+
+    def reaped(self, blob_ids: list[int]) -> None:
+        """Doomed blobs whose files are gone; their records go with the next commit."""
+        self._reaped.extend(blob_ids)
+
+    def flush_reaped(self) -> None:
+        with self._write():
+            pass
+
+    # -- xattrs --------------------------------------------------------------------------
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if len(value) > XATTR_VALUE_MAX:
+            raise fail(errno.E2BIG)
+        if not name or len(name) > NAME_MAX:
+            raise fail(errno.ERANGE)
+        with self._write() as txn:
+            inode = self._get(txn, ino)
+            txn.put(u64(ino) + name, value, db=self._db["xattr"])
+            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        with self._write() as txn:
+            self._get(txn, ino)
+            if not txn.delete(u64(ino) + name, db=self._db["xattr"]):
+                raise fail(errno.ENODATA)
+
+
+class _WriteTxn:
+    """A write transaction that maps a full LMDB map to ENOSPC and aborts on any error."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+
+    def __enter__(self) -> lmdb.Transaction:
+        self.txn = self.store._begin_write()
+        return self.txn
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None:
+            self.txn.abort()
+            if isinstance(exc, lmdb.MapFullError):
+                raise fail(errno.ENOSPC) from exc
+            return
+        try:
+            self.txn.commit()
+        except lmdb.MapFullError as full:
+            raise fail(errno.ENOSPC) from full

@@ -1,0 +1,20 @@
+"""Counters of what the mount is doing, kept in memory by the daemon."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    commits: int = 0
+    evictions: int = 0
+    checksum_errors: int = 0
+    handler_errors: int = 0  # unexpected exceptions answered with EIO
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine: apt packages, .venv, pip installs.
+# Re-running it is quick: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config fio)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+PY=.venv/bin/python
+
+# LMCache 0.5.6 for CPU: --no-deps, then only the runtime needs its storage layer uses
+# (a plain install drags in CUDA and cloud SDKs).
+LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
+    "prometheus_client>=0.18,<=0.24.1" py-cpuinfo psutil aiohttp aiofile aiofiles msgspec
+    pyzmq transformers cryptography "setuptools>=77.0.3,<81")
+
+stamp=.venv/.kvfs-setup-stamp
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
+    echo "setup: installing Python packages into .venv (first run takes a few minutes)"
+    $PY -m pip install -q --upgrade pip
+    $PY -m pip install -q "torch==2.13.0"
+    $PY -m pip install -q "${LMCACHE_DEPS[@]}"
+    $PY -m pip install -q --no-deps "lmcache==0.5.6"
+    $PY -m pip install -q -e ".[test]"
+    echo "$want" >"$stamp"
+fi

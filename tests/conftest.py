@@ -1,0 +1,122 @@
+"""Fixtures that mount real kvfs instances in temporary directories and always clean up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MOUNT_SCRIPT = REPO / "mount_kvfs.py"
+
+
+def run_mount(mountpoint: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(MOUNT_SCRIPT), str(mountpoint), "--data", str(data), *extra],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def is_mounted(mountpoint: Path) -> bool:
+    return any(line.split()[4] == str(mountpoint)
+               for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def daemon_pid(data: Path) -> int:
+    return int((data / "kvfs.lock").read_text().strip())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@dataclass
+class KvfsMount:
+    """One kvfs daemon serving `data` at `mountpoint`."""
+
+    mountpoint: Path
+    data: Path
+    options: list[str] = field(default_factory=list)
+    pid: int = 0
+
+    def mount(self, *extra: str) -> None:
+        result = run_mount(self.mountpoint, self.data, *self.options, *extra)
+        assert result.returncode == 0, result.stderr
+        self.pid = daemon_pid(self.data)
+
+    def unmount(self) -> None:
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+        if self.pid:
+            assert wait_dead(self.pid), f"kvfs daemon {self.pid} did not exit after unmount"
+            self.pid = 0
+
+    def remount(self, *extra: str) -> None:
+        self.unmount()
+        self.mount(*extra)
+
+    def kill9(self) -> None:
+        """Crash the daemon, then clear the dead mount as an operator would."""
+        os.kill(self.pid, signal.SIGKILL)
+        assert wait_dead(self.pid)
+        self.pid = 0
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+
+    def cleanup(self) -> None:
+        if self.pid and pid_alive(self.pid):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+            if not wait_dead(self.pid, 10):
+                os.kill(self.pid, signal.SIGKILL)
+                wait_dead(self.pid)
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator:
+    """Factory: make_mount(*options) mounts a fresh kvfs; all are unmounted at teardown."""
+    mounts: list[KvfsMount] = []
+
+    def factory(*options: str, data: Path | None = None, mount: bool = True) -> KvfsMount:
+        index = len(mounts)
+        mountpoint = tmp_path / f"mnt{index}"
+        mountpoint.mkdir()
+        kvfs = KvfsMount(mountpoint, data or tmp_path / f"data{index}", list(options))
+        mounts.append(kvfs)
+        if mount:
+            kvfs.mount()
+        return kvfs
+
+    yield factory
+    for kvfs in mounts:
+        kvfs.cleanup()
+
+
+@pytest.fixture
+def kvfs(make_mount) -> KvfsMount:
+    """A freshly mounted kvfs on an empty data directory (1 GiB capacity)."""
+    return make_mount("--capacity", "1G")
