@@ -1,0 +1,291 @@
+"""POSIX semantics through a real kvfs mount: syscalls and plain shell tools."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+
+
+def errno_of(call, *args) -> int:
+    with pytest.raises(OSError) as caught:
+        call(*args)
+    return caught.value.errno
+
+
+def sh(*command: str, cwd: Path | None = None) -> str:
+    return subprocess.run(command, check=True, capture_output=True, text=True,
+                          cwd=cwd).stdout
+
+
+def test_write_read_at_offsets_and_truncate(kvfs) -> None:
+    path = kvfs.mountpoint / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.pwrite(fd, b"hello", 0)
+    os.pwrite(fd, b"world", 3 * MiB + 7)  # a hole in between
+    assert os.pread(fd, 5, 0) == b"hello"
+    os.ftruncate(fd, 3 * MiB + 10)
+    os.close(fd)
+    data = path.read_bytes()
+    assert len(data) == 3 * MiB + 10
+    assert data[:5] == b"hello" and data[-3:] == b"wor" and data[5:3 * MiB + 7] == bytes(
+        3 * MiB + 2)
+    os.truncate(path, 2)
+    assert path.read_bytes() == b"he"
+    with open(path, "ab") as appender:
+        appender.write(b"llo")
+    assert path.read_bytes() == b"hello"
+    with open(path, "r+b") as patcher:
+        patcher.seek(1)
+        patcher.write(b"E")
+    assert path.read_bytes() == b"hEllo"
+
+
+def test_large_file_roundtrip_and_shell_tools(kvfs) -> None:
+    payload = os.urandom(40 * MiB + 123)
+    (kvfs.mountpoint / "dir").mkdir()
+    big = kvfs.mountpoint / "dir" / "big.data"
+    big.write_bytes(payload)
+    assert big.read_bytes() == payload
+    listing = sh("ls", "-l", str(big))
+    assert str(len(payload)) in listing.split()
+    assert int(sh("du", "-k", str(big)).split()[0]) == -(-len(payload) // 1024)
+    assert int(sh("stat", "-c", "%s", str(big))) == len(payload)
+    df = sh("df", "-k", str(kvfs.mountpoint)).splitlines()[1].split()
+    assert int(df[1]) == 1 << 20  # 1G capacity in KiB
+    assert int(df[2]) >= len(payload) // 1024
+    sh("cp", str(big), str(kvfs.mountpoint / "copy"))
+    assert (kvfs.mountpoint / "copy").read_bytes() == payload
+    sh("mv", str(kvfs.mountpoint / "copy"), str(kvfs.mountpoint / "dir" / "moved"))
+    found = sh("find", str(kvfs.mountpoint), "-type", "f").split()
+    assert sorted(found) == sorted([str(big), str(kvfs.mountpoint / "dir" / "moved")])
+    sh("rm", "-r", str(kvfs.mountpoint / "dir"))
+    assert os.listdir(kvfs.mountpoint) == []
+    assert int(sh("df", "-k", str(kvfs.mountpoint)).splitlines()[1].split()[2]) == 0
+
+
+def test_directories(kvfs) -> None:
+    root = kvfs.mountpoint
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f").write_bytes(b"x")
+    assert errno_of(os.rmdir, root / "a") == errno.ENOTEMPTY
+    assert errno_of(os.mkdir, root / "a") == errno.EEXIST
+    assert errno_of(os.rmdir, root / "a" / "b" / "f") == errno.ENOTDIR
+    assert errno_of(os.unlink, root / "a") == errno.EISDIR
+    assert os.stat(root / "a").st_nlink == 3
+    (root / "a" / "b" / "f").unlink()
+    os.rmdir(root / "a" / "b")
+    assert os.stat(root / "a").st_nlink == 2
+    os.rmdir(root / "a")
+    assert os.listdir(root) == []
+
+
+def test_rename_semantics(kvfs) -> None:
+    root = kvfs.mountpoint
+    (root / "d1").mkdir()
+    (root / "d2").mkdir()
+    (root / "d1" / "x").write_bytes(b"old-x")
+    (root / "d2" / "y").write_bytes(b"old-y")
+    os.rename(root / "d1" / "x", root / "d2" / "y")  # across directories, over a file
+    assert (root / "d2" / "y").read_bytes() == b"old-x"
+    assert not (root / "d1" / "x").exists()
+    (root / "d1" / "sub").mkdir()
+    assert errno_of(os.rename, root / "d1", root / "d1" / "sub" / "inside") == errno.EINVAL
+    assert errno_of(os.rename, root / "d2" / "y", root / "d1") == errno.EISDIR
+    assert errno_of(os.rename, root / "d1", root / "d2" / "y") == errno.ENOTDIR
+    (root / "d2" / "y").unlink()
+    os.rename(root / "d1" / "sub", root / "d2")  # over an empty directory
+    assert sorted(os.listdir(root)) == ["d1", "d2"]
+    assert errno_of(os.rename, root / "nope", root / "other") == errno.ENOENT
+
+
+def test_xattrs(kvfs) -> None:
+    path = kvfs.mountpoint / "f"
+    path.write_bytes(b"")
+    os.setxattr(path, "user.kvfs.pin", b"1")
+    os.setxattr(path, "user.note", b"v" * 1000)
+    assert os.getxattr(path, "user.kvfs.pin") == b"1"
+    assert sorted(os.listxattr(path)) == ["user.kvfs.pin", "user.note"]
+    os.removexattr(path, "user.note")
+    assert os.listxattr(path) == ["user.kvfs.pin"]
+    assert errno_of(os.getxattr, path, "user.none") == errno.ENODATA
+    assert errno_of(os.setxattr, path, "trusted.x", b"1") in (errno.ENOTSUP, errno.EPERM)
+    assert errno_of(os.setxattr, path, "user.huge", b"v" * MiB) in (errno.E2BIG, errno.ENOSPC)
+    kvfs.remount()
+    assert os.getxattr(path, "user.kvfs.pin") == b"1"
+
+
+def test_attributes(kvfs) -> None:
+    path = kvfs.mountpoint / "f"
+    path.write_bytes(b"abc")
+    os.chmod(path, 0o600)
+    os.chown(path, 1234, 5678)
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    kvfs.remount()
+    info = os.stat(path)
+    assert stat.S_IMODE(info.st_mode) == 0o600 and stat.S_ISREG(info.st_mode)
+    assert (info.st_uid, info.st_gid) == (1234, 5678)
+    assert (info.st_atime_ns, info.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
+
+
+def test_unsupported_file_types_are_refused(kvfs) -> None:
+    root = kvfs.mountpoint
+    (root / "f").write_bytes(b"x")
+    assert errno_of(os.symlink, "f", root / "link") in (errno.EPERM, errno.ENOTSUP)
+    assert errno_of(os.link, root / "f", root / "hard") in (errno.EPERM, errno.ENOTSUP)
+    assert errno_of(os.mkfifo, root / "fifo") in (errno.EPERM, errno.ENOTSUP)
+    assert errno_of(os.mknod, root / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3)) in (
+        errno.EPERM, errno.ENOTSUP)
+    assert sorted(os.listdir(root)) == ["f"]
+
+
+def test_name_limits_and_lmcache_names(kvfs) -> None:
+    root = kvfs.mountpoint
+    names = [
+        "a" * 255,
+        "meta-llama-SEP-Llama-3.1-8B@1@0@-33f9a1b2c3d4e5f6@float16.data",
+        "-leading-dash%20@and@at.pt",
+        "sp ace\ttab\u00e9\u4e2d",
+    ]
+    for name in names:
+        (root / name).write_bytes(name.encode())
+    assert sorted(os.listdir(root)) == sorted(names)
+    for name in names:
+        assert (root / name).read_bytes() == name.encode()
+    assert errno_of(open, root / ("b" * 256), "wb") == errno.ENAMETOOLONG
+    assert errno_of(os.stat, root / ("b" * 256)) == errno.ENAMETOOLONG
+    assert errno_of(os.mkdir, root / ("c" * 300)) == errno.ENAMETOOLONG
+
+
+def test_readdir_of_many_entries_is_complete(kvfs) -> None:
+    directory = kvfs.mountpoint / "many"
+    directory.mkdir()
+    count = 12_000
+    for index in range(count):
+        os.close(os.open(directory / f"chunk-{index:06d}.data", os.O_CREAT | os.O_WRONLY, 0o644))
+    names = os.listdir(directory)
+    assert len(names) == count == len(set(names))
+    assert int(sh("sh", "-c", f"ls -f '{directory}' | grep -c chunk")) == count
+    # Removing entries while listing must not make the listing skip survivors.
+    survivors = set()
+    with os.scandir(directory) as entries:
+        for index, entry in enumerate(entries):
+            if index % 2 == 0:
+                os.unlink(entry.path)
+            else:
+                survivors.add(entry.name)
+    assert set(os.listdir(directory)) == survivors
+
+
+def test_close_to_open_isolation(kvfs) -> None:
+    path = kvfs.mountpoint / "chunk"
+    path.write_bytes(b"A" * MiB)
+    reader = open(path, "rb")
+    writer = open(path, "r+b")
+    writer.write(b"B" * MiB)
+    writer.flush()
+    # Uncommitted writes are invisible to other opens, old readers keep their snapshot.
+    assert path.read_bytes() == b"A" * MiB
+    assert reader.read(10) == b"A" * 10
+    writer.close()
+    assert path.read_bytes() == b"B" * MiB
+    reader.seek(0)
+    assert reader.read() == b"A" * MiB
+    reader.close()
+    assert path.read_bytes() == b"B" * MiB
+
+
+def test_concurrent_writers_last_close_wins(kvfs) -> None:
+    path = kvfs.mountpoint / "chunk.tmp"
+    first = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    second = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for piece in range(8):
+        os.write(first, b"1" * (MiB // 2))
+        os.write(second, b"2" * (MiB // 3) if piece % 2 else b"2" * MiB)
+    os.close(second)
+    second_content = path.read_bytes()
+    os.close(first)
+    assert set(second_content) == {ord("2")}
+    assert path.read_bytes() == b"1" * (4 * MiB)
+
+
+def test_open_file_survives_unlink_and_rename_over(kvfs) -> None:
+    root = kvfs.mountpoint
+    (root / "victim").write_bytes(b"v" * (3 * MiB))
+    (root / "target").write_bytes(b"t" * (2 * MiB))
+    victim = open(root / "victim", "rb")
+    target = open(root / "target", "rb")
+    os.unlink(root / "victim")
+    (root / "new.tmp").write_bytes(b"n" * MiB)
+    os.rename(root / "new.tmp", root / "target")
+    assert victim.read() == b"v" * (3 * MiB)
+    assert target.read() == b"t" * (2 * MiB)
+    assert os.fstat(victim.fileno()).st_size == 3 * MiB
+    victim.close()
+    target.close()
+    assert (root / "target").read_bytes() == b"n" * MiB
+    assert sorted(os.listdir(root)) == ["target"]
+
+
+def test_o_direct_with_unaligned_buffers(kvfs) -> None:
+    path = kvfs.mountpoint / "direct.pt"
+    size = 4 * MiB
+    payload = os.urandom(size)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+    assert os.write(fd, memoryview(b"\0" * 64 + payload)[64:]) == size
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    aligned = mmap.mmap(-1, size + 4096)
+    view = memoryview(aligned)[64:64 + size]  # deliberately unaligned
+    assert os.readv(fd, [view]) == size
+    os.close(fd)
+    assert bytes(view) == payload
+    view.release()
+    aligned.close()
+
+
+def test_capacity_is_enforced(make_mount) -> None:
+    kvfs = make_mount("--capacity", "8M")
+    path = kvfs.mountpoint / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"x" * (6 * MiB))
+    short = os.write(fd, b"y" * (3 * MiB))  # a short write: what fits
+    assert 0 < short <= 2 * MiB
+    assert errno_of(os.write, fd, b"y" * MiB) == errno.ENOSPC
+    os.close(fd)
+    assert path.stat().st_size == 6 * MiB + short
+    assert os.statvfs(kvfs.mountpoint).f_bfree * 4096 <= 2 * MiB - short
+    path.unlink()
+    (kvfs.mountpoint / "g").write_bytes(b"z" * (7 * MiB))  # room again
+
+
+def test_hostile_requests_leave_the_mount_alive(kvfs) -> None:
+    root = kvfs.mountpoint
+    path = root / "f"
+    path.write_bytes(b"data")
+    assert errno_of(os.truncate, path, (1 << 63) - 1) in (errno.EFBIG, errno.ENOSPC,
+                                                          errno.EINVAL)
+    fd = os.open(path, os.O_RDWR)
+    assert errno_of(os.pwrite, fd, b"x", (1 << 62)) in (errno.EFBIG, errno.ENOSPC)
+    assert errno_of(os.pwrite, fd, b"x", (1 << 63) - 1) in (errno.EFBIG, errno.EINVAL)
+    assert os.pread(fd, 10, 1 << 62) == b""
+    os.close(fd)
+    assert errno_of(os.setxattr, path, "user.big", b"v" * MiB) in (errno.E2BIG, errno.ENOSPC)
+    assert errno_of(os.listdir, path) == errno.ENOTDIR
+    assert errno_of(open, root / "gone" / "x", "wb") == errno.ENOENT
+    assert errno_of(os.rename, root / "gone", root / "x") == errno.ENOENT
+    vanished = root / "vanished"
+    vanished.write_bytes(b"x")
+    fd = os.open(vanished, os.O_RDONLY)
+    os.unlink(vanished)
+    assert errno_of(os.chmod, vanished, 0o600) == errno.ENOENT
+    assert os.read(fd, 10) == b"x"
+    os.close(fd)
+    assert path.read_bytes() == b"data"  # still alive and unchanged
