@@ -1,8 +1,10 @@
-"""The `kvfs` command line: mount, umount, fsck. Failures are one line and a non-zero exit."""
+"""The `kvfs` command line. Failures are one line on stderr and a non-zero exit."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ import humanfriendly
 
 from kvfs import daemon, fsck
 from kvfs.daemon import DEFAULT_DATA_DIR, MountConfig, MountError
+from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
 
 
@@ -94,6 +97,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def pin_command(args: argparse.Namespace) -> None:
+    for path in args.paths:
+        try:
+            if args.unpin:
+                os.removexattr(path, PIN_XATTR)
+            else:
+                os.setxattr(path, PIN_XATTR, b"1")
+        except OSError as error:
+            if not (args.unpin and error.errno == errno.ENODATA):  # not pinned: nothing to do
+                raise CliError(f"{path}: {error.strerror}") from None
+
+
 def fsck_command(args: argparse.Namespace) -> None:
     if not fsck.run(args.data, repair=args.repair):
         sys.exit(1)
@@ -108,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     umount = commands.add_parser("umount", help="unmount and wait for the daemon to finish")
     umount.add_argument("mountpoint", type=Path)
     umount.set_defaults(func=umount_command)
+    for name, unpin, text in (("pin", False, "protect files or directories from eviction"),
+                              ("unpin", True, "let pinned files be evicted again")):
+        pin = commands.add_parser(name, help=text)
+        pin.add_argument("paths", nargs="+", type=Path)
+        pin.set_defaults(func=pin_command, unpin=unpin)
     check = commands.add_parser("fsck", help="check (and repair) an unmounted volume")
     check.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR)
     check.add_argument("--repair", action="store_true",

@@ -23,8 +23,9 @@ from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.data import DataStore
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.handles import FileTable
-from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore
+from kvfs.meta import DEFAULT_MAP_SIZE, Inode, MetaStore
 from kvfs.mounts import find_mount
+from kvfs.space import Space
 from kvfs.stats import Stats
 
 log = logging.getLogger("kvfs")
@@ -140,10 +141,22 @@ class Daemon:
             self.meta.set_capacity(shutil.disk_usage(config.data).free)
         self.stats = Stats()
         self.notifier = KernelNotifier()
+        self.space = Space(self.meta, config.data, self.stats, is_open=self._is_open,
+                           on_evicted=self._evicted)
         cache = BlockCache(self.data, config.cache_bytes, config.readahead_bytes)
-        self.files = FileTable(self.meta, self.data, cache, self.stats,
+        self.files = FileTable(self.meta, self.data, cache, self.stats, self.space,
                                on_dropped=self.notifier.entry_removed)
-        self.operations = KvfsOperations(self.meta, self.files, self.stats, self.notifier)
+        self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
+                                         self.notifier)
+        if not self.space.evict_to(self.space.capacity()):  # the capacity may have shrunk
+            log.warning("pinned files alone exceed the capacity")
+
+    def _is_open(self, ino: int) -> bool:
+        return self.files.is_open(ino)
+
+    def _evicted(self, inode: Inode) -> None:
+        self.files.unlinked(inode)
+        self.notifier.entry_removed(inode)
 
     def mount(self) -> None:
         options = set(pyfuse3.default_options)
@@ -163,6 +176,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
+            nursery.start_soon(self.space.run)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 
@@ -180,6 +194,7 @@ class Daemon:
     def close(self) -> None:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
+        self.space.flush_uses()
         self.meta.flush_reaped()
         self.meta.env.sync(True)
         self.meta.close()

@@ -23,6 +23,7 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore
+from kvfs.space import Space
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,12 @@ def negative_entry() -> EntryAttributes:
 
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
-    def __init__(self, meta: MetaStore, files: FileTable, stats: Stats,
+    def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
                  notifier: KernelNotifier) -> None:
         super().__init__()
         self.meta = meta
         self.files = files
+        self.space = space
         self.stats = stats
         self.notifier = notifier
 
@@ -136,6 +138,7 @@ class KvfsOperations(pyfuse3.Operations):
             self.stats.lookup_misses += 1
             return negative_entry()
         self.stats.lookup_hits += 1
+        self.space.touch(inode.ino)
         return entry_attributes(self.files.attributes(inode.ino))
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
@@ -217,14 +220,13 @@ class KvfsOperations(pyfuse3.Operations):
         pass
 
     async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
-        usage = self.meta.usage()
-        used = self.files.used_bytes()
+        capacity, used = self.space.capacity(), self.space.used()
         result = pyfuse3.StatvfsData()
         result.f_bsize = result.f_frsize = STATFS_BLOCK
-        result.f_blocks = usage.capacity // STATFS_BLOCK
-        result.f_bfree = result.f_bavail = max(0, usage.capacity - used) // STATFS_BLOCK
+        result.f_blocks = capacity // STATFS_BLOCK
+        result.f_bfree = result.f_bavail = max(0, capacity - used) // STATFS_BLOCK
         result.f_ffree = result.f_favail = 1 << 32
-        result.f_files = usage.files + result.f_ffree
+        result.f_files = self.meta.usage().files + result.f_ffree
         result.f_namemax = NAME_MAX
         return result
 

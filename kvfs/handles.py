@@ -22,6 +22,7 @@ from itertools import count
 from kvfs.cache import BlockCache
 from kvfs.data import ChecksumError, DataStore, StagedFile
 from kvfs.meta import BlobInfo, Inode, MetaStore, fail
+from kvfs.space import Space
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,13 @@ class Opened:
 
 class FileTable:
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
-                 on_dropped: Callable[[Inode], None]) -> None:
+                 space: Space, on_dropped: Callable[[Inode], None]) -> None:
         self.meta = meta
         self.data = data
         self.cache = cache
         self.stats = stats
+        self.space = space
         self.on_dropped = on_dropped  # tell the kernel a file vanished (corrupt data)
-        self.capacity = meta.capacity()
-        self.inflight_bytes = 0  # staged bytes not yet committed
         self._handles: dict[int, Handle] = {}
         self._open: dict[int, OpenInode] = {}
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
@@ -83,8 +83,8 @@ class FileTable:
             inode = replace(inode, size=staged)
         return inode
 
-    def used_bytes(self) -> int:
-        return self.meta.usage().used + self.inflight_bytes
+    def is_open(self, ino: int) -> bool:
+        return ino in self._open
 
     # -- open / close --------------------------------------------------------------------
 
@@ -96,6 +96,7 @@ class FileTable:
         fd = self._open_blob(inode, blob)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd)
+        self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
         other_versions = any(h.version != inode.version or h.writable for h in state.handles)
@@ -160,6 +161,7 @@ class FileTable:
 
     def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self.handle(fh)
+        self.space.touch(handle.ino)
         if handle.staged is not None:
             data = handle.staged.read(offset, size)
         elif handle.blob is None:
@@ -182,7 +184,7 @@ class FileTable:
         try:
             written = staged.write(offset, data)
         finally:
-            self.inflight_bytes += staged.physical - before
+            self.space.inflight += staged.physical - before
         self.stats.bytes_written += written
         return written
 
@@ -192,7 +194,7 @@ class FileTable:
         try:
             staged.truncate(size)
         finally:
-            self.inflight_bytes += staged.physical - before
+            self.space.inflight += staged.physical - before
 
     def truncate_path(self, inode: Inode, size: int) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once."""
@@ -212,10 +214,8 @@ class FileTable:
         return handle.staged
 
     def _reserve(self, staged: StagedFile, physical_after: int) -> int:
-        """Refuse growth past the capacity; returns the staged bytes before the change."""
-        growth = physical_after - staged.physical
-        if growth > 0 and self.used_bytes() + growth > self.capacity:
-            raise fail(errno.ENOSPC)
+        """Make room for the growth (or ENOSPC); returns the staged bytes before the change."""
+        self.space.reserve(physical_after - staged.physical)
         return staged.physical
 
     def flush(self, handle: Handle) -> bool:
@@ -234,7 +234,7 @@ class FileTable:
             self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
         self.data.publish(blob.blob_id)
-        self.inflight_bytes -= staged.physical
+        self.space.inflight -= staged.physical
         staged.close()
         handle.staged = None
         self.free_blob(old_blob)
@@ -249,7 +249,7 @@ class FileTable:
 
     def _discard_staged(self, handle: Handle) -> None:
         if handle.staged is not None:
-            self.inflight_bytes -= handle.staged.physical
+            self.space.inflight -= handle.staged.physical
             handle.staged.close()
             self.data.discard_staging(handle.staged.blob_id)
             handle.staged = None

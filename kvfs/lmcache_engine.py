@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Must be set before lmcache is imported: it otherwise posts usage telemetry.
@@ -125,7 +126,7 @@ class _ErrorCounter(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage()[:300])
+        self.messages.append(record.getMessage())
 
 
 def _attach_error_counter() -> _ErrorCounter:
@@ -177,6 +178,17 @@ def wait_stored(engine: Any, keys: list[Any], timeout: float) -> bool:
     return False
 
 
+def wait_barrier(directory: Path, parties: int, timeout: float) -> None:
+    """Start the ops of several engines together, once all have finished their slow set-up."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(directory.glob("ready-*"))) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only some of {parties} engines reached {directory}")
+        time.sleep(0.005)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Create the engine, perform `args.ops` in order, return the JSON-able result."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -206,8 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     slot_mapping = torch.arange(n_tokens, dtype=torch.long)
     try:
-        if args.start_at:
-            time.sleep(max(0.0, args.start_at - time.time()))
+        if args.barrier:
+            wait_barrier(args.barrier, args.parties, args.timeout)
         for op in args.ops:
             if op == "store":
                 keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
@@ -269,7 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("ops", nargs="+", choices=["store", "lookup", "retrieve"],
                         help="operations to run in order")
     parser.add_argument("--backend", choices=["fs", "local_disk"], default="fs")
-    parser.add_argument("--dir", required=True, help="fs base_path or local_disk directory")
+    parser.add_argument("--dir", type=Path, required=True,
+                        help="fs base_path or local_disk directory")
     parser.add_argument("--odirect", action="store_true", help="local_disk use_odirect: true")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--chunks", type=int, default=4, help="prompt length in chunks")
@@ -278,8 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verify-seeds", type=lambda s: [int(x) for x in s.split(",")],
                         help="comma-separated seeds a retrieved chunk may match "
                              "(default: --kv-seed)")
-    parser.add_argument("--start-at", type=float, default=0.0,
-                        help="wall-clock time (epoch s) to wait for before the first op")
+    parser.add_argument("--barrier", type=Path,
+                        help="directory shared with other engines: wait until --parties "
+                             "engines are ready there before the first op")
+    parser.add_argument("--parties", type=int, default=2, help="engines meeting at --barrier")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for stores to reach the backend")
     parser.add_argument("--instance", default="kvfs-engine", help="LMCache instance id")

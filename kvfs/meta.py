@@ -11,12 +11,16 @@ Key schema (one named database per family):
     xattr    ino + attribute name     -> value
     blob     blob id                  -> owner ino, size, block size, xxh3-64 per block
     doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
+    recency  atime ns + ino           -> b""   (files by last use: eviction order)
+    pins     ino                      -> b""   (files and directories with user.kvfs.pin)
     counters name                     -> u64   (next_ino, next_blob, used_bytes, files, ...)
     settings name                     -> bytes (format, capacity)
 
 An inode's file content is one immutable blob: a write handle fills a new blob and its close
 commits it by pointing the inode at it in one transaction. Readdir resumes after the last
 returned child ino, so a listing stays complete and stable while entries come and go.
+A file's atime is its last use (lookup, open, read; flushed in batches), and `recency` indexes
+files by it so that eviction walks them oldest first without a scan.
 
 Errors are raised as OSError with a precise errno; the FUSE layer passes them through.
 """
@@ -37,6 +41,7 @@ import lmdb
 ROOT_INO = 1
 NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
+PIN_XATTR = b"user.kvfs.pin"
 FORMAT = b"kvfs-1"
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 
@@ -137,12 +142,12 @@ class MetaStore:
     def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE) -> None:
         path.mkdir(parents=True, exist_ok=True)
         # metasync=False: a power loss may undo the last commits but never breaks the database.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=8, metasync=False,
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=16, metasync=False,
                              readahead=False)
         self._db = {
             family: self.env.open_db(family.encode())
             for family in ("inode", "dentry", "dirlist", "xattr", "blob", "doomed",
-                           "counters", "settings")
+                           "recency", "pins", "counters", "settings")
         }
         self._reaped: list[int] = []  # doomed blobs already deleted, dropped at the next commit
         with self.env.begin(write=True) as txn:
@@ -198,6 +203,16 @@ class MetaStore:
     def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
         txn.put(u64(inode.ino), inode.pack(), db=self._db["inode"])
 
+    def _index_use(self, txn: lmdb.Transaction, inode: Inode, old_atime: int | None,
+                   new_atime: int | None) -> None:
+        """Keep a file's place in the recency index in step with its atime."""
+        if inode.is_dir:
+            return
+        if old_atime is not None:
+            txn.delete(u64(old_atime) + u64(inode.ino), db=self._db["recency"])
+        if new_atime is not None:
+            txn.put(u64(new_atime) + u64(inode.ino), b"", db=self._db["recency"])
+
     def _dir(self, txn: lmdb.Transaction, ino: int) -> Inode:
         inode = self._get(txn, ino)
         if not inode.is_dir:
@@ -223,6 +238,8 @@ class MetaStore:
     def _drop_inode(self, txn: lmdb.Transaction, inode: Inode) -> None:
         """Remove an unlinked inode's record, its xattrs, and doom its blob."""
         txn.delete(u64(inode.ino), db=self._db["inode"])
+        txn.delete(u64(inode.ino), db=self._db["pins"])
+        self._index_use(txn, inode, inode.atime_ns, None)
         prefix = u64(inode.ino)
         cursor = txn.cursor(db=self._db["xattr"])
         if cursor.set_range(prefix):
@@ -352,6 +369,7 @@ class MetaStore:
             inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, 0, now, now, now, parent, 0,
                           0, name)
             self._put(txn, inode)
+            self._index_use(txn, inode, None, now)
             self._link(txn, parent, name, ino)
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
                                    mtime_ns=now, ctime_ns=now))
@@ -467,9 +485,11 @@ class MetaStore:
                                  ("mtime_ns", mtime_ns)):
                 if value is not None:
                     changes[field] = value
-            inode = replace(inode, **changes)
-            self._put(txn, inode)
-        return inode
+            updated = replace(inode, **changes)
+            self._put(txn, updated)
+            if updated.atime_ns != inode.atime_ns:
+                self._index_use(txn, inode, inode.atime_ns, updated.atime_ns)
+        return updated
 
     def allocate_blob_id(self) -> int:
         with self._write() as txn:
@@ -489,10 +509,12 @@ class MetaStore:
                 txn.put(u64(blob.blob_id), blob.pack(), db=self._db["blob"])
                 self._add_counter(txn, "used_bytes", blob.size)
                 size = blob.size
-            inode = replace(inode, size=size, blob=blob.blob_id if blob else 0,
-                            version=inode.version + 1, mtime_ns=now, ctime_ns=now)
-            self._put(txn, inode)
-        return inode, old_blob
+            updated = replace(inode, size=size, blob=blob.blob_id if blob else 0,
+                              version=inode.version + 1, atime_ns=now, mtime_ns=now,
+                              ctime_ns=now)
+            self._put(txn, updated)
+            self._index_use(txn, inode, inode.atime_ns, now)
+        return updated, old_blob
 
     def drop_file(self, ino: int) -> Inode | None:
         """Remove a file whose data is lost (corrupt or missing); None if already gone."""
@@ -532,6 +554,38 @@ class MetaStore:
 
     # -- xattrs --------------------------------------------------------------------------
 
+    def touch(self, uses: dict[int, int]) -> None:
+        """Record the last use (ns) of files in one transaction; gone inodes are skipped."""
+        with self._write() as txn:
+            for ino, used_ns in uses.items():
+                raw = txn.get(u64(ino), db=self._db["inode"])
+                if raw is None:
+                    continue
+                inode = Inode.unpack(ino, raw)
+                if used_ns > inode.atime_ns:
+                    self._put(txn, replace(inode, atime_ns=used_ns))
+                    self._index_use(txn, inode, inode.atime_ns, used_ns)
+
+    def least_recent(self, limit: int, after: bytes = b"") -> list[tuple[bytes, Inode]]:
+        """Up to `limit` files, least recently used first, each with its position; pass the
+        last position as `after` to continue."""
+        found = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self._db["recency"])
+            if not cursor.set_range(after + b"\0" if after else b""):
+                return found
+            for key in cursor.iternext(values=False):
+                raw = txn.get(key[8:], db=self._db["inode"])
+                if raw is not None:
+                    found.append((bytes(key), Inode.unpack(from_u64(key[8:]), raw)))
+                if len(found) >= limit:
+                    break
+        return found
+
+    def pinned(self) -> set[int]:
+        with self.env.begin() as txn:
+            return {from_u64(k) for k in txn.cursor(db=self._db["pins"]).iternext(values=False)}
+
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         if len(value) > XATTR_VALUE_MAX:
             raise fail(errno.E2BIG)
@@ -540,6 +594,8 @@ class MetaStore:
         with self._write() as txn:
             inode = self._get(txn, ino)
             txn.put(u64(ino) + name, value, db=self._db["xattr"])
+            if name == PIN_XATTR:
+                txn.put(u64(ino), b"", db=self._db["pins"])
             self._put(txn, replace(inode, ctime_ns=time.time_ns()))
 
     def removexattr(self, ino: int, name: bytes) -> None:
@@ -547,6 +603,8 @@ class MetaStore:
             self._get(txn, ino)
             if not txn.delete(u64(ino) + name, db=self._db["xattr"]):
                 raise fail(errno.ENODATA)
+            if name == PIN_XATTR:
+                txn.delete(u64(ino), db=self._db["pins"])
 
 
 class _WriteTxn:
