@@ -148,7 +148,7 @@ class Daemon:
                                on_dropped=self.notifier.entry_removed)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier)
-        if not self.space.evict_to(self.space.capacity()):  # the capacity may have shrunk
+        if not self.space.trim():  # the capacity may have shrunk since the last mount
             log.warning("pinned files alone exceed the capacity")
 
     def _is_open(self, ino: int) -> bool:

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 HIGH_WATERMARK = 0.95  # background eviction starts above this share of the capacity
 LOW_WATERMARK = 0.90  # ... and stops here
-VOLUME_RESERVE = 64 << 20  # left free on the volume for metadata growth
+VOLUME_RESERVE = 64 << 20  # left free on the volume for metadata growth ...
+VOLUME_RESERVE_SHARE = 0.05  # ... or this share of a small volume
 EVICTION_BATCH = 64
 TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
@@ -54,7 +55,8 @@ class Space:
     def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
         volume = os.statvfs(self.volume)
-        room = volume.f_bavail * volume.f_frsize - VOLUME_RESERVE
+        reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
+        room = volume.f_bavail * volume.f_frsize - reserve
         return max(0, min(self.meta.capacity(), self.used() + room))
 
     def reserve(self, growth: int) -> None:
@@ -112,14 +114,19 @@ class Space:
             log.debug("evicted %r (ino %d, %d bytes)", dropped.name, dropped.ino, dropped.size)
             self.on_evicted(dropped)
 
+    def trim(self) -> bool:
+        """Above the high watermark, evict down to the low one; False if pins prevent it."""
+        capacity = self.capacity()
+        if self.used() <= HIGH_WATERMARK * capacity:
+            return True
+        return self.evict_to(int(LOW_WATERMARK * capacity))
+
     async def run(self) -> None:
         """Background upkeep: stay under the high watermark, flush recorded uses."""
         last_flush = time.monotonic()
         while True:
             await trio.sleep(TICK_SECONDS)
-            capacity = self.capacity()
-            if self.used() > HIGH_WATERMARK * capacity:
-                self.evict_to(int(LOW_WATERMARK * capacity))
+            self.trim()
             if time.monotonic() - last_flush >= RECENCY_FLUSH_SECONDS:
                 self.flush_uses()
                 last_flush = time.monotonic()
