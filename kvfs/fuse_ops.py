@@ -20,6 +20,7 @@ from typing import Any
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
+from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore
@@ -29,8 +30,11 @@ from kvfs.stats import Stats
 log = logging.getLogger(__name__)
 
 # Everything that changes the namespace goes through this kernel, which updates its own
-# caches; only the daemon's own changes (dropped files, commits) are pushed by notification.
-CACHE_TIMEOUT = 60.0
+# caches; the daemon's own changes (evicted or dropped files, commits) are pushed to it. So
+# misses can be cached long. Hits are cached briefly so that LMCache's lookups still reach the
+# daemon and keep the file's recency current for eviction.
+ENTRY_TIMEOUT = 1.0
+NEGATIVE_TIMEOUT = 30.0
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 
@@ -101,8 +105,8 @@ def entry_attributes(inode: Inode) -> EntryAttributes:
     entry.st_atime_ns = inode.atime_ns
     entry.st_mtime_ns = inode.mtime_ns
     entry.st_ctime_ns = inode.ctime_ns
-    entry.entry_timeout = CACHE_TIMEOUT
-    entry.attr_timeout = CACHE_TIMEOUT
+    entry.entry_timeout = ENTRY_TIMEOUT
+    entry.attr_timeout = ENTRY_TIMEOUT
     return entry
 
 
@@ -110,7 +114,7 @@ def negative_entry() -> EntryAttributes:
     """A cacheable 'no such name': the kernel answers repeated misses itself."""
     entry = EntryAttributes()
     entry.st_ino = 0
-    entry.entry_timeout = CACHE_TIMEOUT
+    entry.entry_timeout = NEGATIVE_TIMEOUT
     return entry
 
 
@@ -124,15 +128,27 @@ class KvfsOperations(pyfuse3.Operations):
         self.space = space
         self.stats = stats
         self.notifier = notifier
+        self.control = ControlFiles(meta, space, stats)
+
+    def _attributes(self, ino: int) -> Inode:
+        return self.control.attributes(ino) if self.control.owns(ino) else \
+            self.files.attributes(ino)
+
+    def _refuse_control(self, *places: tuple[int, bytes]) -> None:
+        if any(self.control.is_reserved(parent, name) for parent, name in places):
+            raise FUSEError(errno.EPERM)
 
     # -- namespace -----------------------------------------------------------------------
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext
                      ) -> EntryAttributes:
         if name == b".":
-            return entry_attributes(self.files.attributes(parent_inode))
+            return entry_attributes(self._attributes(parent_inode))
         if name == b"..":
-            return entry_attributes(self.meta.get(self.meta.get(parent_inode).parent))
+            return entry_attributes(self._attributes(self._attributes(parent_inode).parent))
+        control = self.control.lookup(parent_inode, name)
+        if control is not None:
+            return entry_attributes(control)
         inode = self.meta.lookup(parent_inode, name)
         if inode is None:
             self.stats.lookup_misses += 1
@@ -142,10 +158,12 @@ class KvfsOperations(pyfuse3.Operations):
         return entry_attributes(self.files.attributes(inode.ino))
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
-        return entry_attributes(self.files.attributes(inode))
+        return entry_attributes(self._attributes(inode))
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
+        if self.control.owns(inode):
+            raise FUSEError(errno.EPERM)
         if fields.update_size:
             handle = self.files.handle(fh) if fh is not None else None
             if handle is not None and handle.writable:
@@ -166,24 +184,29 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
+        self._refuse_control((parent_inode, name))
         if not stat.S_ISREG(mode):
             raise FUSEError(errno.EPERM)  # fifos, sockets and devices have no place here
         return entry_attributes(self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
+        self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
         return entry_attributes(inode)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        self._refuse_control((parent_inode, name))
         self.files.unlinked(self.meta.remove(parent_inode, name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        self._refuse_control((parent_inode, name))
         self.meta.remove(parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
+        self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
         replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                     flags)
         if replaced is not None:
@@ -207,14 +230,17 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
-        if not self.meta.get(inode).is_dir:
+        if not self._attributes(inode).is_dir:
             raise FUSEError(errno.ENOTDIR)
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         for name, inode in self.meta.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
-                break
+                return
+        for name, inode in self.control.entries(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
+                return
 
     async def releasedir(self, fh: int) -> None:
         pass
@@ -234,6 +260,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
         opened = self.files.open(inode, flags & ~os.O_TRUNC)
@@ -241,27 +268,38 @@ class KvfsOperations(pyfuse3.Operations):
                         keep_cache=opened.keep_cache), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
+        if self.control.owns(inode):
+            return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
         opened = self.files.open(self.meta.get(inode), flags)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if self.control.owns_handle(fh):
+            return self.control.read(fh, off, size)
         return self.files.read(fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         return self.files.write(fh, off, buf)
 
     async def flush(self, fh: int) -> None:
+        if self.control.owns_handle(fh):
+            return
         handle = self.files.handle(fh)
         if self.files.flush(handle):
             self.notifier.attributes_changed(handle.ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
+        if self.control.owns_handle(fh):
+            return
         handle = self.files.handle(fh)
         if handle.staged is not None:
             os.fdatasync(handle.staged.fd)
 
     async def release(self, fh: int) -> None:
-        self.files.release(fh)
+        if self.control.owns_handle(fh):
+            self.control.release(fh)
+        else:
+            self.files.release(fh)
 
     # -- extended attributes -------------------------------------------------------------
 
@@ -269,17 +307,21 @@ class KvfsOperations(pyfuse3.Operations):
                        ) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
+        if self.control.owns(inode):
+            raise FUSEError(errno.EPERM)
         self.meta.setxattr(inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
-        if not name.startswith(USER_XATTR):
+        if not name.startswith(USER_XATTR) or self.control.owns(inode):
             raise FUSEError(errno.ENODATA)
         return self.meta.getxattr(inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
-        return self.meta.listxattr(inode)
+        return [] if self.control.owns(inode) else self.meta.listxattr(inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
+        if self.control.owns(inode):
+            raise FUSEError(errno.EPERM)
         self.meta.removexattr(inode, name)

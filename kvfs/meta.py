@@ -13,6 +13,7 @@ Key schema (one named database per family):
     doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
     recency  atime ns + ino           -> b""   (files by last use: eviction order)
     pins     ino                      -> b""   (files and directories with user.kvfs.pin)
+    models   model name (utf-8)       -> u64 files + u64 bytes  (LMCache files per model)
     counters name                     -> u64   (next_ino, next_blob, used_bytes, files, ...)
     settings name                     -> bytes (format, capacity)
 
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import lmdb
 
+from kvfs.models import model_of
+
 ROOT_INO = 1
 NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
@@ -48,6 +51,7 @@ DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQqqqQQQ")
 _BLOB = struct.Struct("<QQI")
+_MODEL = struct.Struct("<qq")
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -147,7 +151,7 @@ class MetaStore:
         self._db = {
             family: self.env.open_db(family.encode())
             for family in ("inode", "dentry", "dirlist", "xattr", "blob", "doomed",
-                           "recency", "pins", "counters", "settings")
+                           "recency", "pins", "models", "counters", "settings")
         }
         self._reaped: list[int] = []  # doomed blobs already deleted, dropped at the next commit
         with self.env.begin(write=True) as txn:
@@ -213,6 +217,20 @@ class MetaStore:
         if new_atime is not None:
             txn.put(u64(new_atime) + u64(inode.ino), b"", db=self._db["recency"])
 
+    def _count_model(self, txn: lmdb.Transaction, inode: Inode, name: bytes, files: int,
+                     size: int) -> None:
+        """Per-model usage: a file counts for the model its name says (if any)."""
+        model = None if inode.is_dir else model_of(name)
+        if model is None or not (files or size):
+            return
+        key = model.encode()
+        raw = txn.get(key, db=self._db["models"])
+        old_files, old_size = _MODEL.unpack(raw) if raw else (0, 0)
+        if old_files + files <= 0:
+            txn.delete(key, db=self._db["models"])
+        else:
+            txn.put(key, _MODEL.pack(old_files + files, old_size + size), db=self._db["models"])
+
     def _dir(self, txn: lmdb.Transaction, ino: int) -> Inode:
         inode = self._get(txn, ino)
         if not inode.is_dir:
@@ -247,6 +265,7 @@ class MetaStore:
                 pass
         if not inode.is_dir:
             self._add_counter(txn, "files", -1)
+        self._count_model(txn, inode, inode.name, -1, -inode.size)
         self._release_blob(txn, inode.blob)
 
     def _release_blob(self, txn: lmdb.Transaction, blob_id: int) -> None:
@@ -370,6 +389,7 @@ class MetaStore:
                           0, name)
             self._put(txn, inode)
             self._index_use(txn, inode, None, now)
+            self._count_model(txn, inode, name, 1, 0)
             self._link(txn, parent, name, ino)
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
                                    mtime_ns=now, ctime_ns=now))
@@ -435,6 +455,8 @@ class MetaStore:
                     self._adjust_parent(txn, new_parent, -1, now)
             self._unlink(txn, old_parent, old_name, moved.ino)
             self._link(txn, new_parent, new_name, moved.ino)
+            self._count_model(txn, moved, old_name, -1, -moved.size)
+            self._count_model(txn, moved, new_name, 1, moved.size)
             self._put(txn, replace(self._get(txn, moved.ino), parent=new_parent, name=new_name,
                                    ctime_ns=now))
             self._adjust_parent(txn, old_parent, -moved.is_dir, now)
@@ -454,6 +476,9 @@ class MetaStore:
         self._unlink(txn, second.parent, second.name, second.ino)
         self._link(txn, first.parent, first.name, second.ino)
         self._link(txn, second.parent, second.name, first.ino)
+        for inode, new_name in ((first, second.name), (second, first.name)):
+            self._count_model(txn, inode, inode.name, -1, -inode.size)
+            self._count_model(txn, inode, new_name, 1, inode.size)
         self._put(txn, replace(first, parent=second.parent, name=second.name, ctime_ns=now))
         self._put(txn, replace(second, parent=first.parent, name=first.name, ctime_ns=now))
         if first.parent != second.parent and first.is_dir != second.is_dir:
@@ -514,6 +539,7 @@ class MetaStore:
                               ctime_ns=now)
             self._put(txn, updated)
             self._index_use(txn, inode, inode.atime_ns, now)
+            self._count_model(txn, inode, inode.name, 0, size - inode.size)
         return updated, old_blob
 
     def drop_file(self, ino: int) -> Inode | None:
@@ -581,6 +607,12 @@ class MetaStore:
                 if len(found) >= limit:
                     break
         return found
+
+    def models(self) -> dict[str, dict[str, int]]:
+        with self.env.begin() as txn:
+            return {bytes(key).decode(): dict(zip(("files", "bytes"), _MODEL.unpack(raw),
+                                                  strict=True))
+                    for key, raw in txn.cursor(db=self._db["models"])}
 
     def pinned(self) -> set[int]:
         with self.env.begin() as txn:

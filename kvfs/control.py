@@ -1,0 +1,101 @@
+"""The read-only control directory `MOUNTPOINT/.kvfs/`: live state for tools and operators.
+
+`.kvfs/stats` is one JSON object (see `snapshot`), generated when the file is opened, so that
+every reader sees one consistent state. The names use reserved inode numbers far above any
+the metadata store hands out, and nothing under `.kvfs` can be written, created or removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import stat
+import time
+from collections.abc import Callable
+
+from kvfs.meta import ROOT_INO, Inode, MetaStore, fail
+from kvfs.space import Space
+from kvfs.stats import Stats
+
+CONTROL_DIR = b".kvfs"
+CONTROL_DIR_INO = (1 << 63) - 2
+STATS_NAME = b"stats"
+STATS_INO = (1 << 63) - 1
+FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
+
+
+def snapshot(meta: MetaStore, space: Space, stats: Stats) -> dict:
+    usage = meta.usage()
+    return {
+        "capacity_bytes": space.capacity(),
+        "used_bytes": space.used(),
+        "files": usage.files,
+        **stats.as_dict(),
+        "models": meta.models(),
+    }
+
+
+class ControlFiles:
+    def __init__(self, meta: MetaStore, space: Space, stats: Stats) -> None:
+        self.meta = meta
+        self.space = space
+        self.stats = stats
+        self.started_ns = time.time_ns()
+        self._contents: dict[int, bytes] = {}
+        self._next_fh = itertools.count(FIRST_HANDLE)
+        self._files: dict[int, Callable[[], bytes]] = {STATS_INO: self._stats_json}
+
+    def _stats_json(self) -> bytes:
+        return json.dumps(snapshot(self.meta, self.space, self.stats), indent=2).encode() + b"\n"
+
+    def owns(self, ino: int) -> bool:
+        return ino in (CONTROL_DIR_INO, STATS_INO)
+
+    def owns_handle(self, fh: int) -> bool:
+        return fh in self._contents
+
+    def is_reserved(self, parent: int, name: bytes) -> bool:
+        """Names that cannot be created, removed or renamed: .kvfs and everything in it."""
+        return parent == CONTROL_DIR_INO or (parent == ROOT_INO and name == CONTROL_DIR)
+
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        if parent == ROOT_INO and name == CONTROL_DIR:
+            return self.attributes(CONTROL_DIR_INO)
+        if parent == CONTROL_DIR_INO:
+            if name == STATS_NAME:
+                return self.attributes(STATS_INO)
+            raise fail(errno.ENOENT)
+        return None
+
+    def attributes(self, ino: int) -> Inode:
+        is_dir = ino == CONTROL_DIR_INO
+        mode = stat.S_IFDIR | 0o555 if is_dir else stat.S_IFREG | 0o444
+        now = time.time_ns()
+        return Inode(ino, mode, 2 if is_dir else 1, 0, 0, 0, now, now, self.started_ns,
+                     ROOT_INO if is_dir else CONTROL_DIR_INO, 0, 0,
+                     CONTROL_DIR if is_dir else STATS_NAME)
+
+    def entries(self, directory: int, after: int) -> list[tuple[bytes, Inode]]:
+        """What readdir adds: `.kvfs` at the end of the root, `stats` inside it."""
+        if directory == ROOT_INO and after < CONTROL_DIR_INO:
+            return [(CONTROL_DIR, self.attributes(CONTROL_DIR_INO))]
+        if directory == CONTROL_DIR_INO and after < STATS_INO:
+            return [(STATS_NAME, self.attributes(STATS_INO))]
+        return []
+
+    def open(self, ino: int, flags: int) -> int:
+        if ino == CONTROL_DIR_INO:
+            raise fail(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise fail(errno.EACCES)
+        fh = next(self._next_fh)
+        self._contents[fh] = self._files[ino]()
+        return fh
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        return self._contents[fh][offset: offset + size]
+
+    def release(self, fh: int) -> None:
+        del self._contents[fh]
