@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import NoReturn
 
 import humanfriendly
+from humanfriendly import format_size
 
-from kvfs import daemon, fsck
+from kvfs import daemon, fsck, prewarm, statview
 from kvfs.daemon import DEFAULT_DATA_DIR, MountConfig, MountError
 from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
@@ -60,6 +61,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
+    parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve Prometheus metrics at http://ADDRESS:PORT/metrics")
+    parser.add_argument("--metrics-address", default="127.0.0.1",
+                        help="address for --metrics-port (default %(default)s)")
 
 
 def mount_command(args: argparse.Namespace) -> None:
@@ -68,7 +74,8 @@ def mount_command(args: argparse.Namespace) -> None:
         foreground=args.foreground, debug=args.debug, allow_other=args.allow_other,
         fsync=args.fsync, cache_bytes=args.cache_size, readahead_bytes=args.readahead,
         read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
-        meta_map_size=args.meta_size, log_file=args.log_file,
+        meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
+        metrics_port=args.metrics_port, metrics_address=args.metrics_address,
     )
     daemon.run(config)
 
@@ -109,6 +116,23 @@ def pin_command(args: argparse.Namespace) -> None:
                 raise CliError(f"{path}: {error.strerror}") from None
 
 
+def stat_command(args: argparse.Namespace) -> None:
+    try:
+        statview.show(args.mountpoint, args.json, args.watch)
+    except FileNotFoundError:
+        raise CliError(f"{args.mountpoint} is not a kvfs mount (no .kvfs/stats)") from None
+    except KeyboardInterrupt:
+        pass
+
+
+def prewarm_command(args: argparse.Namespace) -> None:
+    try:
+        files, warmed = prewarm.prewarm(args.paths)
+    except OSError as error:
+        raise CliError(f"{error.filename}: {error.strerror}") from None
+    print(f"warmed {files} files, {warmed} bytes ({format_size(warmed, binary=True)})")
+
+
 def fsck_command(args: argparse.Namespace) -> None:
     if not fsck.run(args.data, repair=args.repair):
         sys.exit(1)
@@ -128,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         pin = commands.add_parser(name, help=text)
         pin.add_argument("paths", nargs="+", type=Path)
         pin.set_defaults(func=pin_command, unpin=unpin)
+    show = commands.add_parser("stat", help="show a mount's usage, hits, traffic, models")
+    show.add_argument("mountpoint", type=Path)
+    show.add_argument("--json", action="store_true", help="print the raw JSON state")
+    show.add_argument("--watch", action="store_true", help="refresh every second, with rates")
+    show.set_defaults(func=stat_command)
+    warm = commands.add_parser("prewarm", help="read files into memory ahead of traffic")
+    warm.add_argument("paths", nargs="+", type=Path)
+    warm.set_defaults(func=prewarm_command)
     check = commands.add_parser("fsck", help="check (and repair) an unmounted volume")
     check.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR)
     check.add_argument("--repair", action="store_true",
@@ -158,3 +190,31 @@ def mount_main(argv: list[str] | None = None) -> int:
     add_mount_arguments(parser)
     parser.set_defaults(func=mount_command)
     return _run(parser, argv)
+
+
+# mount(8) options that concern the kernel or mount itself, not kvfs.
+GENERIC_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "exec",
+                         "noexec", "suid", "nosuid", "dev", "nodev", "nofail", "_netdev",
+                         "relatime", "noatime"}
+
+
+def fstab_main(argv: list[str] | None = None) -> int:
+    """`mount.kvfs DATA MOUNTPOINT [-o opt,key=value]`: the helper mount(8) runs for fstab.
+
+    /etc/fstab: `/var/lib/kvfs  /mnt/kvfs  kvfs  capacity=100G,allow_other  0 0`."""
+    parser = Parser(prog="mount.kvfs", description="mount(8) helper for kvfs")
+    parser.add_argument("data")
+    parser.add_argument("mountpoint")
+    parser.add_argument("-o", dest="options", default="")
+    for flag in ("-s", "-f", "-n", "-v"):
+        parser.add_argument(flag, action="store_true")
+    args = parser.parse_args(argv)
+    translated = [args.mountpoint, "--data", args.data]
+    for option in filter(None, args.options.split(",")):
+        key, _, value = option.partition("=")
+        if key in GENERIC_MOUNT_OPTIONS or key.startswith("x-"):
+            continue
+        translated.append("--" + key.replace("_", "-"))
+        if value:
+            translated.append(value)
+    return mount_main(translated)

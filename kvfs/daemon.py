@@ -20,10 +20,12 @@ import trio
 
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
+from kvfs.control import snapshot
 from kvfs.data import DataStore
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.handles import FileTable
 from kvfs.meta import DEFAULT_MAP_SIZE, Inode, MetaStore
+from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
 from kvfs.space import Space
 from kvfs.stats import Stats
@@ -54,6 +56,9 @@ class MountConfig:
     max_background: int = tuning.DEFAULT_MAX_BACKGROUND
     meta_map_size: int = DEFAULT_MAP_SIZE
     log_file: Path | None = None
+    syslog: bool = False
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
 
 
 def check_mountpoint(path: Path) -> None:
@@ -121,6 +126,8 @@ def setup_logging(config: MountConfig) -> None:
     level = logging.DEBUG if config.debug else logging.INFO
     if config.foreground:
         handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    elif config.syslog:
+        handler = logging.handlers.SysLogHandler(address="/dev/log")
     else:
         handler = logging.FileHandler(config.log_file or config.data / LOG_NAME)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -171,6 +178,17 @@ class Daemon:
             raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
         log.info("mounted %s at %s (capacity %d bytes)", self.config.data,
                  self.config.mountpoint, self.meta.capacity())
+        if self.config.metrics_port is not None:
+            try:
+                serve_metrics(self._snapshot, self.config.metrics_port,
+                              self.config.metrics_address)
+            except OSError as error:
+                pyfuse3.close(unmount=True)
+                raise MountError(f"cannot serve metrics on {self.config.metrics_address}:"
+                                 f"{self.config.metrics_port}: {error.strerror}") from None
+
+    def _snapshot(self) -> dict:
+        return snapshot(self.meta, self.space, self.stats)
 
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,49 @@
+"""Prometheus metrics at http://ADDRESS:PORT/metrics, read from the live state at each scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+GAUGES = {
+    "capacity_bytes": "Bytes the mount may use",
+    "used_bytes": "Bytes in use (committed plus being written)",
+    "files": "Files in the mount",
+}
+COUNTERS = {
+    "lookup_hits": "Lookups of existing names that reached the daemon",
+    "lookup_misses": "Lookups of missing names that reached the daemon",
+    "bytes_read": "Bytes served to readers",
+    "bytes_written": "Bytes written by writers",
+    "commits": "Files committed at close",
+    "evictions": "Files evicted to stay within the capacity",
+    "checksum_errors": "Reads refused because data failed its checksum",
+    "handler_errors": "Requests answered EIO after an unexpected error",
+}
+
+
+class KvfsCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = self.snapshot()
+        for name, text in GAUGES.items():
+            yield GaugeMetricFamily(f"kvfs_{name}", text, value=state[name])
+        for name, text in COUNTERS.items():
+            yield CounterMetricFamily(f"kvfs_{name}", text, value=state[name])
+        for field in ("files", "bytes"):
+            family = GaugeMetricFamily(f"kvfs_model_{field}", f"{field} per model",
+                                       labels=["model"])
+            for model, usage in state["models"].items():
+                family.add_metric([model], usage[field])
+            yield family
+
+
+def serve_metrics(snapshot: Callable[[], dict], port: int, address: str) -> None:
+    """Serve from a thread of prometheus_client's own; scrapes read a fresh snapshot."""
+    REGISTRY.register(KvfsCollector(snapshot))
+    start_http_server(port, addr=address)

@@ -1,0 +1,150 @@
+"""Operator tools: the stats file, kvfs stat, Prometheus metrics, prewarm, fstab mounting."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import daemon_pid, is_mounted, wait_dead
+
+MiB = 1 << 20
+KVFS = Path(sys.executable).parent / "kvfs"
+FS_NAME = "meta-llama-SEP-Llama-3.1-8B@1@0@-{:x}@bfloat16.data"
+DISK_NAME = "Qwen-Qwen2.5-7B@1@0@{:x}@float16.pt"
+
+
+def stats(mountpoint: Path) -> dict:
+    return json.loads((mountpoint / ".kvfs" / "stats").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_stats_file_counts_exactly(make_mount) -> None:
+    kvfs = make_mount("--capacity", "16M")
+    root = kvfs.mountpoint
+    before = stats(root)
+    assert before["files"] == 0 and before["used_bytes"] == 0
+    (root / "lmcache").mkdir()
+    for index in range(2):
+        (root / "lmcache" / FS_NAME.format(index)).write_bytes(b"k" * MiB)
+    (root / "lmcache" / DISK_NAME.format(7)).write_bytes(b"q" * (2 * MiB))
+    (root / "lmcache" / (FS_NAME.format(9) + ".tmp")).write_bytes(b"t" * 100)
+    for index in range(5):
+        assert not (root / "lmcache" / f"missing-{index}.data").exists()
+    assert (root / "lmcache" / FS_NAME.format(0)).read_bytes() == b"k" * MiB
+    after = stats(root)
+    assert after["files"] == 4
+    assert after["used_bytes"] == 4 * MiB + 100
+    assert after["bytes_written"] - before["bytes_written"] == 4 * MiB + 100
+    assert after["bytes_read"] - before["bytes_read"] == MiB
+    assert after["lookup_misses"] - before["lookup_misses"] >= 5
+    assert after["models"] == {
+        "meta-llama/Llama-3.1-8B": {"files": 2, "bytes": 2 * MiB},
+        "Qwen-Qwen2.5-7B": {"files": 1, "bytes": 2 * MiB},
+    }
+    for index in range(16):  # 16 MiB more through a 16 MiB capacity: evictions
+        (root / "lmcache" / FS_NAME.format(100 + index)).write_bytes(b"e" * MiB)
+    final = stats(root)
+    assert final["evictions"] >= 4
+    assert final["used_bytes"] <= final["capacity_bytes"] == 16 * MiB
+    model = final["models"]["meta-llama/Llama-3.1-8B"]
+    visible = [name for name in os.listdir(root / "lmcache") if name.startswith("meta-llama")
+               and name.endswith(".data")]
+    assert model == {"files": len(visible), "bytes": len(visible) * MiB}
+
+
+def test_stats_file_is_read_only(kvfs) -> None:
+    stats_file = kvfs.mountpoint / ".kvfs" / "stats"
+    for attempt in (lambda: stats_file.write_text("x"), stats_file.unlink,
+                    lambda: (kvfs.mountpoint / ".kvfs" / "new").write_text("x"),
+                    lambda: os.rename(stats_file, kvfs.mountpoint / "moved"),
+                    lambda: os.rmdir(kvfs.mountpoint / ".kvfs")):
+        with pytest.raises(OSError) as refused:
+            attempt()
+        assert refused.value.errno in (errno.EACCES, errno.EPERM)
+    assert ".kvfs" in os.listdir(kvfs.mountpoint)
+    assert stats(kvfs.mountpoint)["files"] == 0
+
+
+def test_kvfs_stat_json_table_and_errors(kvfs) -> None:
+    (kvfs.mountpoint / FS_NAME.format(1)).write_bytes(b"x" * 1000)
+    as_json = json.loads(subprocess.run([KVFS, "stat", "--json", str(kvfs.mountpoint)],
+                                        check=True, capture_output=True, text=True).stdout)
+    assert as_json["used_bytes"] == 1000
+    assert as_json["models"]["meta-llama/Llama-3.1-8B"] == {"files": 1, "bytes": 1000}
+    table = subprocess.run([KVFS, "stat", str(kvfs.mountpoint)], check=True,
+                           capture_output=True, text=True).stdout
+    assert "meta-llama/Llama-3.1-8B" in table and "capacity" in table
+    failed = subprocess.run([KVFS, "stat", "/tmp"], capture_output=True, text=True)
+    assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1
+
+
+def test_metrics_endpoint(make_mount) -> None:
+    port = free_port()
+    kvfs = make_mount("--capacity", "1G", "--metrics-port", str(port))
+    (kvfs.mountpoint / FS_NAME.format(5)).write_bytes(b"m" * 4096)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    lines = body.decode().splitlines()
+    assert "kvfs_used_bytes 4096.0" in lines
+    assert "kvfs_capacity_bytes 1.073741824e+09" in lines
+    assert 'kvfs_model_bytes{model="meta-llama/Llama-3.1-8B"} 4096.0' in lines
+    assert any(line.startswith("kvfs_bytes_written_total 4096") for line in lines)
+
+
+def test_prewarm_serves_later_reads_from_memory(make_mount) -> None:
+    kvfs = make_mount("--capacity", "1G")
+    (kvfs.mountpoint / "chunks").mkdir()
+    for index in range(3):
+        (kvfs.mountpoint / "chunks" / f"c{index}.data").write_bytes(os.urandom(4 * MiB))
+    kvfs.remount()  # a fresh daemon and kernel cache
+    result = subprocess.run([KVFS, "prewarm", str(kvfs.mountpoint)], check=True,
+                            capture_output=True, text=True)
+    assert f"warmed 3 files, {12 * MiB} bytes" in result.stdout
+    warmed = stats(kvfs.mountpoint)["bytes_read"]
+    assert warmed == 12 * MiB
+    for index in range(3):
+        (kvfs.mountpoint / "chunks" / f"c{index}.data").read_bytes()
+    assert stats(kvfs.mountpoint)["bytes_read"] == warmed, "reads came from the page cache"
+
+
+@pytest.fixture
+def mount_helper() -> Path:
+    helper = Path("/sbin/mount.kvfs")
+    created = not helper.exists()
+    if created:
+        helper.symlink_to(Path(sys.executable).parent / "mount.kvfs")
+    yield helper
+    if created:
+        helper.unlink()
+
+
+def test_fstab_form_mounts(tmp_path: Path, mount_helper: Path) -> None:
+    if shutil.which("mount") is None:
+        pytest.skip("no mount(8)")
+    mountpoint, data = tmp_path / "mnt", tmp_path / "data"
+    mountpoint.mkdir()
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{data} {mountpoint} kvfs capacity=64M,nofail 0 0\n")
+    try:
+        subprocess.run(["mount", "-T", str(fstab), str(mountpoint)], check=True, timeout=60)
+        assert is_mounted(mountpoint)
+        info = os.statvfs(mountpoint)
+        assert info.f_blocks * info.f_frsize == 64 * MiB
+        pid = daemon_pid(data)
+        subprocess.run([KVFS, "umount", str(mountpoint)], check=True, timeout=60)
+        assert wait_dead(pid) and not is_mounted(mountpoint)
+    finally:
+        if is_mounted(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
