@@ -221,8 +221,11 @@ class Daemon:
 
 def run(config: MountConfig) -> None:
     """Mount and serve; without `foreground`, return once the mount is live (daemon forked)."""
-    config.mountpoint = config.mountpoint.resolve()
-    config.data = config.data.resolve()
+    try:
+        config.mountpoint = config.mountpoint.resolve()
+        config.data = config.data.resolve()
+    except OSError as error:
+        raise MountError(f"cannot resolve paths: {error.strerror}") from None
     check_mountpoint(config.mountpoint)
     lock_fd = lock_volume(config.data)
     if config.foreground:
