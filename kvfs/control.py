@@ -1,5 +1,6 @@
 """The read-only control directory `MOUNTPOINT/.kvfs/`: live state for tools and operators.
 
+`.kvfs` is not listed in the root, only reached by name.
 `.kvfs/stats` is one JSON object (see `snapshot`), generated when the file is opened, so that
 every reader sees one consistent state. The names use reserved inode numbers far above any
 the metadata store hands out, and nothing under `.kvfs` can be written, created or removed.
@@ -78,9 +79,8 @@ class ControlFiles:
                      CONTROL_DIR if is_dir else STATS_NAME)
 
     def entries(self, directory: int, after: int) -> list[tuple[bytes, Inode]]:
-        """What readdir adds: `.kvfs` at the end of the root, `stats` inside it."""
-        if directory == ROOT_INO and after < CONTROL_DIR_INO:
-            return [(CONTROL_DIR, self.attributes(CONTROL_DIR_INO))]
+        """What readdir of `.kvfs` lists. The root does not list `.kvfs`: it is reached by
+        name only, so that find, du and scripts over the cache see only cache files."""
         if directory == CONTROL_DIR_INO and after < STATS_INO:
             return [(STATS_NAME, self.attributes(STATS_INO))]
         return []

@@ -150,8 +150,8 @@ class Daemon:
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, is_open=self._is_open,
                            on_evicted=self._evicted)
-        cache = BlockCache(self.data, config.cache_bytes, config.readahead_bytes)
-        self.files = FileTable(self.meta, self.data, cache, self.stats, self.space,
+        self.cache = BlockCache(self.data, config.cache_bytes, config.readahead_bytes)
+        self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                on_dropped=self.notifier.entry_removed)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier)
@@ -195,6 +195,7 @@ class Daemon:
             nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
             nursery.start_soon(self.space.run)
+            self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 

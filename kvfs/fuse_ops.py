@@ -276,7 +276,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         if self.control.owns_handle(fh):
             return self.control.read(fh, off, size)
-        return self.files.read(fh, off, size)
+        return await self.files.read(fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         return self.files.write(fh, off, buf)

@@ -159,7 +159,7 @@ class FileTable:
 
     # -- data ----------------------------------------------------------------------------
 
-    def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self.handle(fh)
         self.space.touch(handle.ino)
         if handle.staged is not None:
@@ -168,7 +168,7 @@ class FileTable:
             data = b""
         else:
             try:
-                data = self.cache.read(handle.fd, handle.blob, offset, size)
+                data = await self.cache.read(handle.fd, handle.blob, offset, size)
             except ChecksumError as error:
                 self._drop_damaged(self._open[handle.ino].inode, str(error), handle.blob)
                 raise fail(errno.EIO) from None

@@ -65,6 +65,14 @@ def blob_bytes(data: Path) -> int:
     return sum(path.stat().st_size for path in (data / "blobs").glob("*/*"))
 
 
+def settle(mountpoint: Path) -> None:
+    """Wait until background eviction has brought usage under the high watermark."""
+    deadline = time.monotonic() + 10
+    while used_bytes(mountpoint) > 0.95 * capacity_bytes(mountpoint) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 class UsageSampler(threading.Thread):
     """Samples the mount's used bytes (as df sees them) until stopped."""
 
@@ -113,9 +121,7 @@ def test_concurrent_writers_past_capacity_evict_lru_and_keep_hot_and_pinned(
     assert codes == [0, 0, 0], "every write must succeed"
     assert reads > 0
     assert max(samples) <= capacity, f"usage passed the capacity: {max(samples)}"
-    deadline = time.monotonic() + 10  # background eviction settles below the high watermark
-    while used_bytes(root) > 0.95 * capacity and time.monotonic() < deadline:
-        time.sleep(0.1)
+    settle(root)
     names = set(os.listdir(root / "cache"))
     assert not any(name.startswith("old-") for name in names), "oldest unread go first"
     assert "hot.data" in names
@@ -188,6 +194,7 @@ def test_volume_smaller_than_capacity(make_mount, small_volume: Path) -> None:
     for index in range(20):  # 80 MiB through a 48 MiB volume
         write_named(root, f"f{index:02d}.data", 4 * MiB)
         assert used_bytes(root) <= capacity_bytes(root)
+    settle(root)
     names = sorted(os.listdir(root))
     assert "f19.data" in names and "f00.data" not in names
     assert all(intact(root / name) for name in names)

@@ -74,7 +74,8 @@ def test_stats_file_is_read_only(kvfs) -> None:
         with pytest.raises(OSError) as refused:
             attempt()
         assert refused.value.errno in (errno.EACCES, errno.EPERM)
-    assert ".kvfs" in os.listdir(kvfs.mountpoint)
+    assert os.listdir(kvfs.mountpoint / ".kvfs") == ["stats"]
+    assert ".kvfs" not in os.listdir(kvfs.mountpoint), "reached by name, not listed"
     assert stats(kvfs.mountpoint)["files"] == 0
 
 
