@@ -26,6 +26,7 @@ DEFAULT_CACHE_BYTES = 256 << 20
 DEFAULT_READAHEAD_BYTES = 32 << 20
 RUN_BYTES = 8 << 20  # one volume read
 VOLUME_READERS = 2  # runs loading at once
+SPARE_BUFFERS = 16  # block buffers kept for reuse: allocating and zeroing them is costly
 
 
 class BlockCache:
@@ -36,7 +37,8 @@ class BlockCache:
         self.readahead = min(readahead, capacity // 2)
         self.run = run
         self.used = 0
-        self._blocks: OrderedDict[tuple[int, int], bytearray] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+        self._spare: list[bytearray] = []
         self._by_blob: dict[int, set[int]] = {}
         self._loading: dict[tuple[int, int], trio.Event] = {}
         self._limiter = trio.CapacityLimiter(VOLUME_READERS)
@@ -53,14 +55,16 @@ class BlockCache:
             return b""
         first, last = offset // info.block_size, (end - 1) // info.block_size
         self._read_ahead(fd, info, last + 1)
-        pieces = []
-        for block in range(first, last + 1):
-            data = memoryview(await self._block(fd, info, block))
+        if first == last:  # served straight from the cached block: no copy, no await after
+            start = first * info.block_size
+            return (await self._block(fd, info, first))[offset - start: end - start]
+        joined = bytearray()
+        for block in range(first, last + 1):  # copied at once: a buffer may be reused later
             start = block * info.block_size
-            pieces.append(data[max(offset - start, 0): end - start])
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            joined += (await self._block(fd, info, block))[max(offset - start, 0): end - start]
+        return joined
 
-    async def _block(self, fd: int, info: BlobInfo, block: int) -> bytearray:
+    async def _block(self, fd: int, info: BlobInfo, block: int) -> memoryview:
         key = (info.blob_id, block)
         while True:
             cached = self._blocks.get(key)
@@ -105,7 +109,7 @@ class BlockCache:
             self._loading[(info.blob_id, index)] = event
         return event
 
-    async def _load(self, fd: int, info: BlobInfo, block: int, count: int) -> list[bytearray]:
+    async def _load(self, fd: int, info: BlobInfo, block: int, count: int) -> list[memoryview]:
         return await self._run(os.dup(fd), info, block, count,
                                self._mark_loading(info, block, count))
 
@@ -118,15 +122,20 @@ class BlockCache:
             log.debug("readahead stopped: %s", error)
 
     async def _run(self, fd: int, info: BlobInfo, block: int, count: int,
-                   event: trio.Event) -> list[bytearray]:
+                   event: trio.Event) -> list[memoryview]:
         """Read and verify blocks in a worker thread; `fd` is ours to close."""
+        buffers = [self._spare.pop() if self._spare else bytearray(info.block_size)
+                   for _ in range(count)]
         try:
-            buffers = await trio.to_thread.run_sync(self.data.read_blocks, fd, info, block,
-                                                    count, limiter=self._limiter)
+            views = await trio.to_thread.run_sync(self.data.read_blocks, fd, info, block,
+                                                  buffers, limiter=self._limiter)
             if self._loading.get((info.blob_id, block)) is event:  # else: blob dropped meanwhile
-                for index, buffer in enumerate(buffers, block):
-                    self._insert((info.blob_id, index), buffer)
-            return buffers
+                for index, view in enumerate(views, block):
+                    self._insert((info.blob_id, index), view)
+            return views
+        except BaseException:
+            self._recycle(buffers)
+            raise
         finally:
             os.close(fd)
             for index in range(block, block + count):
@@ -134,20 +143,28 @@ class BlockCache:
                     del self._loading[(info.blob_id, index)]
             event.set()
 
-    def _insert(self, key: tuple[int, int], buffer: bytearray) -> None:
-        self._blocks[key] = buffer
+    def _insert(self, key: tuple[int, int], view: memoryview) -> None:
+        self._blocks[key] = view
         self._by_blob.setdefault(key[0], set()).add(key[1])
-        self.used += len(buffer)
+        self.used += len(view)
         while self.used > self.capacity and len(self._blocks) > 1:
             (blob_id, index), old = self._blocks.popitem(last=False)
-            self.used -= len(old)
+            self._forget(old)
             blocks = self._by_blob[blob_id]
             blocks.discard(index)
             if not blocks:
                 del self._by_blob[blob_id]
 
+    def _forget(self, view: memoryview) -> None:
+        self.used -= len(view)
+        self._recycle([view.obj])
+
+    def _recycle(self, buffers: list) -> None:
+        room = SPARE_BUFFERS - len(self._spare)
+        self._spare.extend(buffers[:room])
+
     def drop_blob(self, blob_id: int) -> None:
         for index in self._by_blob.pop(blob_id, set()):
-            self.used -= len(self._blocks.pop((blob_id, index)))
+            self._forget(self._blocks.pop((blob_id, index)))
         for key in [key for key in self._loading if key[0] == blob_id]:
             del self._loading[key]

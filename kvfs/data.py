@@ -81,20 +81,23 @@ class DataStore:
                 discarded += 1
         return published, discarded
 
-    def read_blocks(self, fd: int, info: BlobInfo, first: int, count: int) -> list[bytearray]:
-        """Read blocks [first, first+count) of a blob in one call and verify each checksum."""
+    def read_blocks(self, fd: int, info: BlobInfo, first: int,
+                    buffers: list[bytearray]) -> list[memoryview]:
+        """Read blocks first, first+1, ... of a blob into `buffers` (BLOCK_SIZE each) in one
+        call, verify each checksum, and return views of the bytes read."""
         start = first * info.block_size
-        end = min(info.size, (first + count) * info.block_size)
-        buffers = [bytearray(min(info.block_size, end - off))
-                   for off in range(start, end, info.block_size)]
-        got = os.preadv(fd, buffers, start)
+        end = min(info.size, start + len(buffers) * info.block_size)
+        views = [memoryview(buffer)[: min(info.block_size, end - offset)]
+                 for buffer, offset in zip(buffers, range(start, end, info.block_size),
+                                           strict=False)]
+        got = os.preadv(fd, views, start)
         if got != end - start:
             raise ChecksumError(f"blob {info.blob_id:016x}: {got} bytes at {start}, "
                                 f"expected {end - start}")
-        for index, buffer in enumerate(buffers, first):
-            if xxhash.xxh3_64_intdigest(buffer) != info.sums[index]:
+        for index, view in enumerate(views, first):
+            if xxhash.xxh3_64_intdigest(view) != info.sums[index]:
                 raise ChecksumError(f"blob {info.blob_id:016x}: block {index} checksum mismatch")
-        return buffers
+        return views
 
     def verify(self, info: BlobInfo) -> str | None:
         """Check a whole blob; returns what is wrong, or None when it is intact."""
@@ -104,8 +107,9 @@ class DataStore:
             return "data file missing"
         try:
             blocks = len(info.sums)
-            for first in range(0, blocks, 16):
-                self.read_blocks(fd, info, first, min(16, blocks - first))
+            buffers = [bytearray(info.block_size) for _ in range(16)]
+            for first in range(0, blocks, len(buffers)):
+                self.read_blocks(fd, info, first, buffers[: blocks - first])
             if os.fstat(fd).st_size != info.size:
                 return f"data file has {os.fstat(fd).st_size} bytes, expected {info.size}"
         except ChecksumError as error:

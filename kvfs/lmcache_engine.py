@@ -6,8 +6,13 @@ Usage (one JSON line on stdout, LMCache's logging on stderr):
         --backend fs --dir /mnt/kvfs/lmcache --preset llama-3.1-8b --chunks 4
 
 Every instance that is to share must run with the same PYTHONHASHSEED, model string, world
-size, dtype and chunk size. If PYTHONHASHSEED is unset this module re-executes itself with
-PYTHONHASHSEED=0, so instances started through it always agree.
+size, dtype and chunk size. Under vLLM the chunk-hash chain starts from a seed that vLLM
+derives from PYTHONHASHSEED (random when unset), and LMCache takes it from vLLM whenever vLLM
+is importable; without vLLM the keys happen not to depend on it. If PYTHONHASHSEED is unset
+this module re-executes itself with PYTHONHASHSEED=0, so instances started through it agree.
+
+The engine keeps no CPU copy of chunks (``local_cpu: false``), so every lookup and retrieve,
+also of chunks stored by the same process, goes to the storage directory.
 
 The prompt (token ids) is a pure function of ``--prompt-seed`` and the KV bytes of chunk ``i``
 a pure function of ``(--kv-seed, i)``, so another process can check exactly what it retrieved.
