@@ -20,7 +20,7 @@ import contextlib
 import errno
 import os
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import xxhash
@@ -82,7 +82,7 @@ class DataStore:
         return published, discarded
 
     def read_blocks(self, fd: int, info: BlobInfo, first: int,
-                    buffers: list[bytearray]) -> list[memoryview]:
+                    buffers: Sequence[bytearray | memoryview]) -> list[memoryview]:
         """Read blocks first, first+1, ... of a blob into `buffers` (BLOCK_SIZE each) in one
         call, verify each checksum, and return views of the bytes read."""
         start = first * info.block_size
