@@ -32,9 +32,12 @@ class Parser(argparse.ArgumentParser):
 def size(text: str) -> int:
     """512M, 10G, 2T (binary units, like df -h)."""
     try:
-        return humanfriendly.parse_size(text, binary=True)
+        value = humanfriendly.parse_size(text, binary=True)
     except humanfriendly.InvalidSize as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
 
 
 def add_mount_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,8 +58,13 @@ class DataStore:
     def discard_staging(self, blob_id: int) -> None:
         _unlink_quietly(self.staging_path(blob_id))
 
-    def open_blob(self, blob_id: int) -> int:
-        return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+    def open_blob(self, blob_id: int, whole: bool = False) -> int:
+        """Open a blob for reading; `whole`: it will be read entirely, so have the kernel
+        start reading it from the volume now (LMCache reads every chunk whole)."""
+        fd = os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        if whole:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return fd
 
     def remove(self, blob_id: int) -> None:
         """Delete a blob file; handles that have it open keep reading it until they close."""

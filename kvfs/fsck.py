@@ -24,7 +24,8 @@ class FsckError(Exception):
 
 def run(data_dir: Path, repair: bool, console: Console | None = None) -> bool:
     """Returns True when the volume is clean or was repaired."""
-    console = console or Console(stderr=True)
+    # File names are data, not markup, and each report stays on one greppable line.
+    console = console or Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
     data_dir = data_dir.resolve()
     if not (data_dir / "meta" / "data.mdb").exists():
         raise FsckError(f"{data_dir} is not a kvfs volume (no meta/data.mdb)")

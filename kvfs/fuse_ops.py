@@ -169,7 +169,7 @@ class KvfsOperations(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 self.files.truncate(handle, attr.st_size)
             else:
-                self.files.truncate_path(self.meta.get(inode), attr.st_size)
+                await self.files.truncate_path(self.meta.get(inode), attr.st_size)
                 self.notifier.attributes_changed(inode)
         changed = {
             "mode": attr.st_mode if fields.update_mode else None,
@@ -263,14 +263,14 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
-        opened = self.files.open(inode, flags & ~os.O_TRUNC)
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
                         keep_cache=opened.keep_cache), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
-        opened = self.files.open(self.meta.get(inode), flags)
+        opened = await self.files.open(self.meta.get(inode), flags)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

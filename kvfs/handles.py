@@ -7,7 +7,11 @@ transaction. Concurrent writers of one name each have their own blob; the last t
 Page cache: committed blobs are immutable, so a read handle keeps the kernel's cached pages
 when they hold the version being opened (keep_cache) and drops them otherwise. Handles that
 could disagree with the cached pages bypass the cache (direct_io): writers, and readers opened
-while another handle of the same inode reads a different version.
+while a writer is open or another handle of the same inode reads a different version.
+
+The kernel keeps one size and one page cache per inode, and a writer's open (O_TRUNC) and
+writes change them for every handle. So a writer of a file that page-cache readers have open
+waits (up to WRITER_WAIT_SECONDS) for them to close, and stat shows the committed size only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import count
 
+import trio
+
 from kvfs.cache import BlockCache
 from kvfs.data import ChecksumError, DataStore, StagedFile
 from kvfs.meta import BlobInfo, Inode, MetaStore, fail
@@ -26,6 +32,8 @@ from kvfs.space import Space
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
+
+WRITER_WAIT_SECONDS = 2.0
 
 
 @dataclass(eq=False)
@@ -38,6 +46,7 @@ class Handle:
     blob: BlobInfo | None
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     staged: StagedFile | None = None
+    page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
 
 
 @dataclass(eq=False)
@@ -45,11 +54,11 @@ class OpenInode:
     inode: Inode
     handles: set[Handle] = field(default_factory=set)
     unlinked: bool = False
+    writers_waiting: int = 0
+    readers_gone: trio.Event | None = None  # set when the last page-cache reader closes
 
-    @property
-    def staged_size(self) -> int | None:
-        sizes = [h.staged.size for h in self.handles if h.staged is not None]
-        return max(sizes) if sizes else None
+    def page_cache_readers(self) -> bool:
+        return any(handle.page_cache for handle in self.handles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,45 +85,64 @@ class FileTable:
     # -- attributes ----------------------------------------------------------------------
 
     def attributes(self, ino: int) -> Inode:
-        """The inode as a stat of it should show: open-but-unlinked and growing files too."""
+        """The committed inode (also of files unlinked while open)."""
         state = self._open.get(ino)
-        inode = state.inode if state and state.unlinked else self.meta.get(ino)
-        if state is not None and (staged := state.staged_size) is not None:
-            inode = replace(inode, size=staged)
-        return inode
+        return state.inode if state and state.unlinked else self.meta.get(ino)
 
     def is_open(self, ino: int) -> bool:
         return ino in self._open
 
     # -- open / close --------------------------------------------------------------------
 
-    def open(self, inode: Inode, flags: int) -> Opened:
+    async def open(self, inode: Inode, flags: int) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if writable and await self._wait_for_page_cache_readers(inode.ino):
+            inode = self.meta.get(inode.ino)  # it may have changed meanwhile
         blob = self.meta.blob(inode.blob) if inode.blob else None
-        fd = self._open_blob(inode, blob)
+        fd = self._open_blob(inode, blob, whole=flags & os.O_ACCMODE == os.O_RDONLY)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd)
         self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
-        other_versions = any(h.version != inode.version or h.writable for h in state.handles)
+        contended = state.writers_waiting or any(
+            h.version != inode.version or h.writable for h in state.handles)
         state.handles.add(handle)
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
             self.truncate(handle, 0)
-        if writable or other_versions:
+        if writable or contended:
             return Opened(handle.fh, direct_io=True, keep_cache=True)
+        handle.page_cache = True
         keep = self._cached_version.get(inode.ino) == inode.version
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
-    def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
+    async def _wait_for_page_cache_readers(self, ino: int) -> bool:
+        """Let page-cache readers of `ino` finish before a writer changes the kernel's view
+        of it; returns whether there was anything to wait for."""
+        state = self._open.get(ino)
+        if state is None or not state.page_cache_readers():
+            return False
+        state.writers_waiting += 1
+        try:
+            with trio.move_on_after(WRITER_WAIT_SECONDS):
+                while state.page_cache_readers():
+                    state.readers_gone = state.readers_gone or trio.Event()
+                    await state.readers_gone.wait()
+            if state.page_cache_readers():
+                log.info("writer of %r proceeds with readers still open", state.inode.name)
+        finally:
+            state.writers_waiting -= 1
+        return True
+
+    def _open_blob(self, inode: Inode, blob: BlobInfo | None, whole: bool) -> int | None:
         if blob is None:
             return None
         try:
-            return self.data.open_blob(blob.blob_id)
+            return self.data.open_blob(blob.blob_id, whole)
         except FileNotFoundError:
             self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None
@@ -135,6 +163,9 @@ class FileTable:
                 os.close(handle.fd)
             state = self._open[handle.ino]
             state.handles.discard(handle)
+            if state.readers_gone is not None and not state.page_cache_readers():
+                state.readers_gone.set()
+                state.readers_gone = None
             if not state.handles:
                 del self._open[handle.ino]
 
@@ -196,9 +227,9 @@ class FileTable:
         finally:
             self.space.inflight += staged.physical - before
 
-    def truncate_path(self, inode: Inode, size: int) -> Inode:
+    async def truncate_path(self, inode: Inode, size: int) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once."""
-        opened = self.open(inode, os.O_WRONLY)
+        opened = await self.open(inode, os.O_WRONLY)
         try:
             self.truncate(self._handles[opened.fh], size)
         finally:
