@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,16 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
 
 
 def wait_dead(pid: int, timeout: float = 20.0) -> bool:

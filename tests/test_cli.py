@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from conftest import (
     pid_alive,
     run_mount,
     wait_dead,
+    wait_for,
 )
 
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -299,15 +299,6 @@ def test_default_capacity_is_free_space_at_first_mount_and_kept(
 
 
 # -- foreground and unmounting -----------------------------------------------------------
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
