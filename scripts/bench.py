@@ -1,0 +1,689 @@
+"""Benchmark kvfs against the plain backing directory, side by side, on the same disk.
+
+    .venv/bin/python scripts/bench.py [--quick] [--out bench-results/NAME.json]
+
+Needs root (drop_caches, kvfs's sysfs tuning) and fio. One kvfs volume and one plain directory
+live under the work directory (default bench-work/ in the repository, so both are on the same
+filesystem) and get the same bytes; every benchmark runs on both in the same run, alternating,
+and reports the median of --runs runs and the ratio kvfs/plain. Everything is unmounted and
+removed at the end, also after an error or Ctrl-C. Results are printed and saved as JSON.
+
+These machines are Firecracker VMs with free page reporting: memory idle for a few seconds goes
+back to the host and the next touch costs a host fault, so the first side to grow the page cache
+can be several times slower. Runs therefore alternate which side goes first, and each timed
+write follows an untimed write of the same size that is deleted at once, so both sides write
+into memory that was just in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from bench_io import (
+    CHUNK_BYTES,
+    MIB,
+    REPO,
+    KvfsMount,
+    Span,
+    create_small_files,
+    drop_caches,
+    evict_file_pages,
+    fio_bandwidth,
+    kv_name,
+    list_directory,
+    lmcache_lookup_and_load,
+    lmcache_store,
+    make_empty_files,
+    read_files,
+    stat_paths,
+    warm_files,
+    write_files,
+)
+from rich.console import Console
+from rich.table import Table
+
+CONSOLE = Console()
+PROCESSES = multiprocessing.get_context("forkserver")
+TARGETS = ("plain", "kvfs")
+ENGINE = REPO / "kvfs" / "lmcache_engine.py"
+MISSING_BASE = 10**12  # kv_name indices from here on are never created
+
+
+def in_turn(run: int) -> tuple[str, ...]:
+    """Both targets, the first one alternating between runs."""
+    return TARGETS if run % 2 == 0 else TARGETS[::-1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    quick: bool
+    runs: int
+    chunk_files: int  # 32 MiB files in the read/write data set
+    meta_files: int  # directory size at which stat rates and readdir are measured
+    stat_sample: int  # names stat()ed per measurement
+    small_files: int  # files per create-and-commit run
+    scale_counts: tuple[int, ...]
+    engine_runs: int
+    engine_chunks: int
+    fio_bytes: int
+    rss_passes: int  # reads of the whole data set through one daemon
+    cache_bytes: int
+    populate_limit_s: float  # give up on a scaling step whose creation would take longer
+
+    @classmethod
+    def make(cls, quick: bool, runs: int, cache_bytes: int) -> Plan:
+        if quick:
+            return cls(quick, runs, chunk_files=8, meta_files=10_000, stat_sample=2_000,
+                       small_files=500, scale_counts=(1_000, 10_000), engine_runs=1,
+                       engine_chunks=4, fio_bytes=256 * MIB, rss_passes=3,
+                       cache_bytes=cache_bytes, populate_limit_s=60)
+        return cls(quick, runs, chunk_files=32, meta_files=100_000, stat_sample=10_000,
+                   small_files=2_000, scale_counts=(1_000, 10_000, 100_000, 1_000_000),
+                   engine_runs=runs, engine_chunks=8, fio_bytes=1024 * MIB, rss_passes=4,
+                   cache_bytes=cache_bytes, populate_limit_s=600)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.chunk_files * CHUNK_BYTES
+
+
+@dataclass
+class Metric:
+    section: str
+    name: str
+    unit: str
+    higher_is_better: bool
+    runs: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TARGETS})
+
+    def median(self, target: str) -> float | None:
+        values = self.runs[target]
+        return statistics.median(values) if values else None
+
+    @property
+    def ratio(self) -> float | None:
+        plain, kvfs = self.median("plain"), self.median("kvfs")
+        return kvfs / plain if plain and kvfs is not None else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "median": {t: self.median(t) for t in TARGETS},
+                "ratio_kvfs_plain": self.ratio}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    target: str
+    measured: str
+    ok: bool | None  # None: could not be measured
+
+
+class RssSampler:
+    """Samples the kvfs daemon's RSS (whichever daemon is current) and keeps the peak per phase."""
+
+    def __init__(self, mount: KvfsMount) -> None:
+        self.mount = mount
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            pid = self.mount.pid
+            if not pid:
+                continue
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                continue
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+
+
+def in_processes(worker: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+    """Run worker(*call, start_at) in one new process per call, all starting together."""
+    with PROCESSES.Pool(len(calls)) as pool:
+        start_at = time.perf_counter() + 0.1
+        return pool.starmap(worker, [(*call, start_at) for call in calls])
+
+
+def throughput(spans: list[Span]) -> float:
+    """Work per second over all spans together (first start to last end)."""
+    return sum(s.amount for s in spans) / (max(s.end for s in spans) - min(s.start for s in spans))
+
+
+class Bench:
+    def __init__(self, plan: Plan, workdir: Path) -> None:
+        self.plan = plan
+        self.workdir = workdir
+        self.plain = workdir / "plain"
+        self.kvfs = KvfsMount(workdir / "kvfs-data", workdir / "mnt",
+                              ["--cache-size", str(plan.cache_bytes)])
+        self.roots = {"plain": self.plain, "kvfs": self.kvfs.mountpoint}
+        self.metrics: dict[tuple[str, str], Metric] = {}
+        self.notes: list[str] = []
+        self.populate: list[dict[str, Any]] = []
+        self.rss = RssSampler(self.kvfs)
+        self.section = ""
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def record(self, name: str, unit: str, target: str, value: float,
+               higher_is_better: bool = True) -> None:
+        metric = self.metrics.setdefault((self.section, name),
+                                         Metric(self.section, name, unit, higher_is_better))
+        metric.runs[target].append(value)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        CONSOLE.log(f"[yellow]note:[/] {text}")
+
+    @contextmanager
+    def stage(self, label: str, section: str | None = None) -> Iterator[None]:
+        """Show progress of one stage; its metrics go to `section` (default: the label)."""
+        self.section = section or label
+        self.rss.phase = label
+        started = time.monotonic()
+        with CONSOLE.status(f"[bold]{label}[/] …"):
+            yield
+        CONSOLE.log(f"[green]done[/] {label} ({time.monotonic() - started:.0f} s)")
+
+    def progress(self, text: str) -> None:
+        CONSOLE.log(f"  {self.section}: {text}")
+
+    def chunk_paths(self, target: str) -> list[str]:
+        return [str(self.roots[target] / "chunks" / f"chunk-{i:03d}")
+                for i in range(self.plan.chunk_files)]
+
+    def blob_files(self) -> list[Path]:
+        return sorted((self.kvfs.data / "blobs").glob("*/*"))
+
+    def warm_up_writes(self, target: str) -> None:
+        """Write and delete as many bytes as the timed write will (see the module docstring)."""
+        directory = self.roots[target] / "warm-up"
+        directory.mkdir()
+        in_processes(write_files, [([str(directory / f"chunk-{i:03d}")
+                                     for i in range(self.plan.chunk_files)],)])
+        shutil.rmtree(directory)
+
+    def warm_backing(self) -> None:
+        """Backing data in the page cache, kvfs's own caches (daemon and FUSE pages) empty."""
+        warm_files([Path(p) for p in self.chunk_paths("plain")] + self.blob_files())
+        self.kvfs.remount()
+
+    # -- the suite -----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        for path in (self.plain / "chunks", self.kvfs.data, self.kvfs.mountpoint):
+            path.mkdir(parents=True, exist_ok=True)
+        self.kvfs.mount()
+        self.rss.start()
+        (self.kvfs.mountpoint / "chunks").mkdir()
+        with self.stage("data set"):
+            for target in TARGETS:
+                in_processes(write_files, [(self.chunk_paths(target),)])
+            self.progress(f"{self.plan.chunk_files} files of 32 MiB on each side")
+
+    def run(self) -> None:
+        self.setup()
+        self.cold_read()
+        self.warm_and_hot_read()
+        self.concurrent_readers()
+        self.daemon_memory()
+        self.write()
+        self.lmcache_pattern()
+        self.fio()
+        self.lmcache_engines()
+        self.small_file_commits()
+        self.metadata_and_scaling()
+
+    def cold_read(self) -> None:
+        with self.stage("cold read"):
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    if target == "kvfs":
+                        self.kvfs.remount()
+                    drop_caches()
+                    gbps = throughput(in_processes(read_files, [(self.chunk_paths(target),)]))
+                    self.record("cold read, 32 MiB files (from disk)", "GB/s", target, gbps / 1e9)
+                    self.progress(f"run {run + 1}: {target} {gbps / 1e9:.2f} GB/s")
+
+    def warm_and_hot_read(self) -> None:
+        with self.stage("warm-backing and hot read"):
+            for run in range(self.plan.runs):
+                self.warm_backing()
+                for target in in_turn(run):
+                    paths = self.chunk_paths(target)
+                    warm = throughput(in_processes(read_files, [(paths,)]))
+                    hot = throughput(in_processes(read_files, [(paths,)]))
+                    self.record("warm-backing read (backing in page cache, kvfs caches cold)",
+                                "GB/s", target, warm / 1e9)
+                    self.record("hot re-read from another process", "GB/s", target, hot / 1e9)
+                    self.progress(f"run {run + 1}: {target} warm {warm / 1e9:.2f}, "
+                                  f"hot {hot / 1e9:.2f} GB/s")
+
+    def concurrent_readers(self) -> None:
+        with self.stage("concurrent readers (warm backing)"):
+            for readers in (2, 4):
+                for same in (False, True):
+                    name = (f"{readers} readers, {'same' if same else 'different'} files, total")
+                    for run in range(self.plan.runs):
+                        self.warm_backing()
+                        for target in in_turn(run):
+                            paths = self.chunk_paths(target)
+                            share = paths[: len(paths) // readers]
+                            calls = [(share if same else paths[i::readers],)
+                                     for i in range(readers)]
+                            gbps = throughput(in_processes(read_files, calls))
+                            self.record(name, "GB/s", target, gbps / 1e9)
+                    self.progress(f"{name}: ratio {self.metrics[(self.section, name)].ratio:.2f}")
+
+    def daemon_memory(self) -> None:
+        with self.stage("daemon memory"):
+            self.warm_backing()
+            paths = self.chunk_paths("kvfs")
+            baseline = psutil.Process(self.kvfs.pid).memory_info().rss
+            self.rss.peaks.pop(self.section, None)
+            for _ in range(self.plan.rss_passes):
+                evict_file_pages([Path(p) for p in paths])  # every pass through the daemon
+                in_processes(read_files, [(paths,)])
+            time.sleep(0.05)
+            peak = self.rss.peaks[self.section]
+            read_gib = self.plan.rss_passes * self.plan.data_bytes / 2**30
+            self.record(f"daemon RSS peak reading {read_gib:.0f} GiB "
+                        f"(--cache-size {self.plan.cache_bytes / MIB:.0f} MiB)",
+                        "MiB", "kvfs", peak / MIB, higher_is_better=False)
+            self.record("daemon RSS after mount", "MiB", "kvfs", baseline / MIB,
+                        higher_is_better=False)
+            self.progress(f"RSS {baseline / MIB:.0f} MiB after mount, peak {peak / MIB:.0f} MiB")
+
+    def write(self) -> None:
+        with self.stage("write"):
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    directory = self.roots[target] / f"write-{run}"
+                    directory.mkdir()
+                    paths = [str(directory / f"chunk-{i:03d}")
+                             for i in range(self.plan.chunk_files)]
+                    self.warm_up_writes(target)
+                    gbps = throughput(in_processes(write_files, [(paths,)]))
+                    self.record("write 32 MiB files (one write() + close)", "GB/s", target,
+                                gbps / 1e9)
+                    shutil.rmtree(directory)
+                    self.progress(f"run {run + 1}: {target} {gbps / 1e9:.2f} GB/s")
+
+    def lmcache_pattern(self) -> None:
+        with self.stage("LMCache fs-plugin pattern"):
+            names = [kv_name(i).removesuffix(".data") for i in range(self.plan.chunk_files)]
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    directory = self.roots[target] / f"lmcache-{run}"
+                    directory.mkdir()
+                    self.warm_up_writes(target)
+                    store = in_processes(lmcache_store, [(str(directory), names)])
+                    [(lookup, load)] = in_processes(lmcache_lookup_and_load,
+                                                    [(str(directory), names)])
+                    self.record("store: write <key>.tmp + rename to <key>.data", "GB/s", target,
+                                throughput(store) / 1e9)
+                    self.record("other process: stat every key", "µs", target,
+                                statistics.median(lookup.latencies) * 1e6,
+                                higher_is_better=False)
+                    self.record("other process: read every chunk back", "GB/s", target,
+                                throughput([load]) / 1e9)
+                    shutil.rmtree(directory)
+                self.progress(f"run {run + 1} done")
+
+    def fio(self) -> None:
+        with self.stage("fio sequential, 1 MiB blocks"):
+            size = self.plan.fio_bytes
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    root = self.roots[target]
+                    name = f"fio-{run}"
+                    self.warm_up_writes(target)
+                    written = fio_bandwidth(root, name, "write", size)
+                    if target == "kvfs":
+                        self.kvfs.remount()
+                    drop_caches()
+                    read = fio_bandwidth(root, name, "read", size)
+                    (root / name).unlink()
+                    self.record(f"fio write {size / 2**30:g} GiB", "GB/s", target, written / 1e9)
+                    self.record(f"fio read {size / 2**30:g} GiB (cold)", "GB/s", target, read / 1e9)
+                    self.progress(f"run {run + 1}: {target} write {written / 1e9:.2f}, "
+                                  f"read {read / 1e9:.2f} GB/s")
+
+    def lmcache_engines(self) -> None:
+        with self.stage("real LMCache engines (fs plugin)"):
+            if not ENGINE.exists():
+                self.note(f"{ENGINE.relative_to(REPO)} does not exist yet: LMCache engine "
+                          f"benchmarks skipped")
+                return
+            chunks = self.plan.engine_chunks
+            for run in range(self.plan.engine_runs):
+                for target in in_turn(run):
+                    directory = self.roots[target] / f"engine-{run}"
+                    directory.mkdir()
+                    try:
+                        store = run_engine(["store"], directory, chunks)["store"]
+                        loaded = run_engine(["lookup", "retrieve"], directory, chunks)
+                    except (RuntimeError, KeyError, ValueError) as error:
+                        self.note(f"LMCache engine run failed on {target}: {error}; "
+                                  f"engine benchmarks skipped")
+                        return
+                    finally:
+                        shutil.rmtree(directory)
+                    retrieved = loaded["retrieve"]
+                    if not retrieved["exact"]:
+                        self.note(f"engine run {run + 1} on {target}: retrieve not exact "
+                                  f"({retrieved['tokens_hit']} tokens hit)")
+                    self.record(f"engine A store, {chunks} chunks of 32 MiB", "GB/s", target,
+                                store["bytes"] / store["seconds"] / 1e9)
+                    self.record("engine B lookup", "ms", target,
+                                loaded["lookup"]["seconds"] * 1e3, higher_is_better=False)
+                    self.record("engine B retrieve", "GB/s", target, retrieved["gbps"])
+                self.progress(f"run {run + 1} done")
+
+    def small_file_commits(self) -> None:
+        with self.stage("small-file create and commit"):
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    directory = self.roots[target] / f"small-{run}"
+                    directory.mkdir()
+                    paths = [str(directory / kv_name(i)) for i in range(self.plan.small_files)]
+                    rate = throughput(in_processes(create_small_files, [(paths,)]))
+                    self.record("create + write 4 KiB + close", "files/s", target, rate)
+                    shutil.rmtree(directory)
+                    self.progress(f"run {run + 1}: {target} {rate:,.0f} files/s")
+
+    def metadata_and_scaling(self) -> None:
+        """Grow one flat directory step by step; stat latency and mount time at each size."""
+        directories = {t: self.roots[t] / "flat" for t in TARGETS}
+        for directory in directories.values():
+            directory.mkdir()
+        have = 0
+        kvfs_rate = 0.0
+        for count in self.plan.scale_counts:
+            label = f"{count:,} files"
+            if kvfs_rate and (count - have) / kvfs_rate > self.plan.populate_limit_s:
+                self.note(f"scaling at {label} skipped: creating {count - have:,} more files "
+                          f"through the mount would take ~{(count - have) / kvfs_rate / 60:.0f} "
+                          f"min at the measured {kvfs_rate:,.0f} files/s (limit "
+                          f"{self.plan.populate_limit_s / 60:.0f} min)")
+                break
+            with self.stage(f"populate to {label}", "populate"):
+                for target in TARGETS:
+                    span = make_empty_files(str(directories[target]), have, count)
+                    rate = span.amount / (span.end - span.start)
+                    self.populate.append({"target": target, "from": have, "to": count,
+                                          "files_per_s": rate})
+                    self.progress(f"{target}: {rate:,.0f} files/s (mknod)")
+                    if target == "kvfs":
+                        kvfs_rate = rate
+                have = count
+            with self.stage(f"scaling at {label}", "scaling"):
+                self.scaling_step(directories, count)
+            if count == self.plan.meta_files:
+                with self.stage(f"metadata at {label}", "metadata"):
+                    self.metadata_rates(directories, count)
+
+    def scaling_step(self, directories: dict[str, Path], count: int) -> None:
+        sample = min(self.plan.stat_sample, count, 2_000)
+        for run in range(self.plan.runs):
+            names = random.sample(range(count), sample)
+            for target in in_turn(run):
+                if target == "kvfs":
+                    self.kvfs.unmount()
+                    self.record(mount_time_name(count), "s", target, self.kvfs.mount(),
+                                higher_is_better=False)
+                drop_caches(2)
+                paths = [str(directories[target] / kv_name(i)) for i in names]
+                [span] = in_processes(stat_paths, [(paths,)])
+                self.record(stat_latency_name(count), "µs", target,
+                            statistics.median(span.latencies) * 1e6, higher_is_better=False)
+
+    def metadata_rates(self, directories: dict[str, Path], count: int) -> None:
+        sample = min(self.plan.stat_sample, count)
+        for run in range(self.plan.runs):
+            existing = random.sample(range(count), sample)
+            missing = range(MISSING_BASE + run * sample, MISSING_BASE + (run + 1) * sample)
+            for target in in_turn(run):
+                directory = directories[target]
+                paths = [str(directory / kv_name(i)) for i in existing]
+                drop_caches(2)
+                [cold] = in_processes(stat_paths, [(paths,)])
+                # Again at once: a few names, so that short kernel cache timeouts still hold.
+                in_processes(stat_paths, [(paths[:1000],)])
+                [cached] = in_processes(stat_paths, [(paths[:1000],)])
+                [absent] = in_processes(stat_paths, [([str(directory / kv_name(i))
+                                                       for i in missing],)])
+                drop_caches(2)
+                listing = in_processes(list_directory, [(str(directory),)])
+                self.record("stat existing names (dentries cold)", "ops/s", target,
+                            throughput([cold]))
+                self.record("stat existing names, repeated at once (kernel-cached)", "ops/s",
+                            target, throughput([cached]))
+                self.record("stat missing names", "ops/s", target, throughput([absent]))
+                self.record(f"readdir of {count:,} entries", "entries/s", target,
+                            throughput(listing))
+            self.progress(f"run {run + 1} done")
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        self.rss.stop()
+        self.kvfs.unmount()
+        if self.kvfs.mounted:
+            CONSOLE.print(f"[red]{self.kvfs.mountpoint} is still mounted; not removing "
+                          f"{self.workdir}[/]")
+            return
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def stat_latency_name(count: int) -> str:
+    return f"stat latency (dentries cold), {count:,} files"
+
+
+def mount_time_name(count: int) -> str:
+    return f"mount time, {count:,} files"
+
+
+def run_engine(ops: list[str], directory: Path, chunks: int) -> dict[str, Any]:
+    """One real LMCache engine process (kvfs/lmcache_engine.py); returns its JSON report."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfs.lmcache_engine", *ops, "--backend", "fs", "--dir",
+         str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{' '.join(ops)} exited {result.returncode}: {tail}")
+    report = json.loads(lines[-1])
+    if report.get("errors"):
+        raise RuntimeError(f"{' '.join(ops)} logged errors: {report['errors'][:2]}")
+    return report
+
+
+# -- verdicts and output -------------------------------------------------------------------------
+
+RATIO_TARGETS = (
+    ("cold read", "cold read", "cold read, 32 MiB files (from disk)", 0.9),
+    ("warm-backing read", "warm-backing and hot read",
+     "warm-backing read (backing in page cache, kvfs caches cold)", 0.35),
+    ("hot re-read", "warm-backing and hot read", "hot re-read from another process", 0.8),
+    ("write", "write", "write 32 MiB files (one write() + close)", 0.7),
+    ("stat of missing names", "metadata", "stat missing names", 0.5),
+)
+
+
+def checks(bench: Bench) -> list[Check]:
+    metrics = bench.metrics
+    found = []
+    for label, section, name, minimum in RATIO_TARGETS:
+        ratio = metrics[(section, name)].ratio if (section, name) in metrics else None
+        found.append(Check(label, f"kvfs/plain ≥ {minimum}",
+                           "not measured" if ratio is None else f"{ratio:.2f}",
+                           None if ratio is None else ratio >= minimum))
+    latency = {count: metrics[key].median("kvfs") for count in bench.plan.scale_counts
+               if (key := ("scaling", stat_latency_name(count))) in metrics}
+    if len(latency) > 1:
+        small, large = min(latency), max(latency)
+        growth = latency[large] / latency[small]
+        found.append(Check(f"stat latency at {large:,} vs {small:,} files", "within 2×",
+                           f"{growth:.2f}×", growth <= 2))
+    mounts = {name: metrics[key].median("kvfs") for count in bench.plan.scale_counts
+              if (key := ("scaling", name := mount_time_name(count))) in metrics}
+    if mounts:
+        name, slowest = max(mounts.items(), key=lambda item: item[1])
+        found.append(Check(f"{name} (slowest)", "< 2 s", f"{slowest:.2f} s", slowest < 2))
+    peak = next((m.median("kvfs") for (s, n), m in metrics.items()
+                 if s == "daemon memory" and n.startswith("daemon RSS peak")), None)
+    limit = bench.plan.cache_bytes / MIB + 150
+    if peak is not None:
+        found.append(Check("daemon RSS peak reading", f"< cache + 150 MiB = {limit:.0f} MiB",
+                           f"{peak:.0f} MiB", peak < limit))
+    if bench.rss.peaks:
+        phase, highest = max(bench.rss.peaks.items(), key=lambda item: item[1])
+        found.append(Check(f"daemon RSS peak, whole run ({phase})",
+                           f"< cache + 150 MiB = {limit:.0f} MiB", f"{highest / MIB:.0f} MiB",
+                           highest / MIB < limit))
+    return found
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit in ("GB/s", "s"):
+        return f"{value:.2f}"
+    if unit in ("µs", "ms"):
+        return f"{value:.1f}"
+    return f"{value:,.0f}"
+
+
+def print_report(bench: Bench, found: list[Check]) -> None:
+    table = Table(title=f"kvfs vs plain directory (median of {bench.plan.runs} runs)")
+    for column in ("benchmark", "unit", "plain", "kvfs", "kvfs/plain"):
+        table.add_column(column, justify="left" if column == "benchmark" else "right")
+    section = None
+    for metric in bench.metrics.values():
+        if metric.section != section:
+            section = metric.section
+            table.add_row(f"[bold]{section}[/]", end_section=False)
+        ratio = metric.ratio
+        arrow = "↑" if metric.higher_is_better else "↓"
+        table.add_row(f"  {metric.name}", f"{metric.unit} {arrow}",
+                      fmt(metric.median("plain"), metric.unit),
+                      fmt(metric.median("kvfs"), metric.unit),
+                      "—" if ratio is None else f"{ratio:.2f}")
+    CONSOLE.print(table)
+    verdicts = Table(title="targets")
+    for column in ("check", "target", "measured", "result"):
+        verdicts.add_column(column)
+    for check in found:
+        result = {True: "[green]ok[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}
+        verdicts.add_row(check.name, check.target, check.measured, result[check.ok])
+    CONSOLE.print(verdicts)
+    for text in bench.notes:
+        CONSOLE.print(f"[yellow]note:[/] {text}")
+
+
+def save(bench: Bench, found: list[Check], out: Path, started: float, finished: bool) -> None:
+    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True).stdout.strip()
+    report = {
+        "finished": finished,
+        "seconds": round(time.monotonic() - started, 1),
+        "plan": asdict(bench.plan),
+        "environment": {
+            "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "kvfs_git": git, "workdir": str(bench.workdir),
+            "workdir_filesystem": subprocess.run(
+                ["findmnt", "-no", "SOURCE,FSTYPE", "-T", str(bench.workdir.parent)],
+                capture_output=True, text=True).stdout.strip(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "metrics": [m.as_json() for m in bench.metrics.values()],
+        "checks": [asdict(c) for c in found],
+        "rss_peak_bytes_by_phase": bench.rss.peaks,
+        "populate": bench.populate,
+        "notes": bench.notes,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    CONSOLE.print(f"results saved to {out}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller data set and directories (about 3 minutes)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per benchmark (median)")
+    parser.add_argument("--out", type=Path, help="JSON results (default "
+                        "bench-results/bench-DATE[-quick].json)")
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench-work",
+                        help="where the plain directory and the kvfs volume live")
+    parser.add_argument("--cache-size", type=int, default=256, metavar="MIB",
+                        help="kvfs --cache-size in MiB (default 256)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if os.geteuid() != 0:
+        CONSOLE.print("[red]bench needs root (drop_caches, kvfs kernel tuning)[/]")
+        return 1
+    plan = Plan.make(args.quick, args.runs, args.cache_size * MIB)
+    out = args.out or REPO / "bench-results" / (
+        time.strftime("bench-%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ".json")
+    bench = Bench(plan, args.workdir.resolve())
+    if bench.workdir.exists() and any(bench.workdir.iterdir()):
+        CONSOLE.print(f"[red]work directory {bench.workdir} is not empty; remove it first[/]")
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clean up on kill too
+    started = time.monotonic()
+    finished = False
+    try:
+        bench.run()
+        finished = True
+    except KeyboardInterrupt:
+        CONSOLE.print("[red]interrupted: cleaning up[/]")
+    except Exception:
+        CONSOLE.print_exception()
+        CONSOLE.print("[red]benchmark failed: cleaning up, reporting what was measured[/]")
+    finally:
+        with CONSOLE.status("cleaning up …"):
+            bench.cleanup()
+    found = checks(bench)
+    print_report(bench, found)
+    save(bench, found, out, started, finished)
+    return 0 if finished else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

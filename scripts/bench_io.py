@@ -1,0 +1,250 @@
+"""Building blocks of scripts/bench.py: kvfs mount control, cache control, fio, and the I/O
+workers that run in child processes (so every timed read comes from a process of its own).
+
+Workers are plain functions of picklable arguments. Each waits until `start_at` (a
+time.perf_counter() instant, which is CLOCK_MONOTONIC and so shared by all processes) to start
+together with its siblings, and returns a `Span`: when it started and ended and how much it did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+CHUNK_BYTES = 32 * MIB  # one LMCache chunk of Llama-3.1-8B fp16 (256 tokens)
+SMALL_FILE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float
+    end: float
+    amount: int  # bytes or operations
+    latencies: tuple[float, ...] = ()  # seconds per operation, where measured
+
+
+def kv_name(index: int) -> str:
+    """An LMCache-like chunk key: long, and in hash order rather than creation order."""
+    scrambled = (index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    return f"meta-llama-SEP-Llama-3.1-8B-Instruct@1@0@{scrambled:016x}@bfloat16.data"
+
+
+def _wait_until(start_at: float) -> None:
+    delay = start_at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _faulted_buffer(size: int) -> bytearray:
+    """A buffer whose pages are already mapped, so page faults are not timed."""
+    return bytearray(b"\x5a") * size
+
+
+# -- workers (run in child processes) ---------------------------------------------------------
+
+
+def read_files(paths: list[str], start_at: float) -> Span:
+    """Read each file whole with one readinto into a preallocated buffer, like LMCache."""
+    buffer = _faulted_buffer(CHUNK_BYTES)
+    view = memoryview(buffer)
+    _wait_until(start_at)
+    total = 0
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            got = file.readinto(view)
+        if got != CHUNK_BYTES:
+            raise OSError(f"{path}: read {got} bytes, expected {CHUNK_BYTES}")
+        total += got
+    return Span(start, time.perf_counter(), total)
+
+
+def write_files(paths: list[str], start_at: float) -> Span:
+    """Create each file with one write() of a whole chunk and close it (kvfs commits)."""
+    view = memoryview(bytearray(os.urandom(MIB)) * (CHUNK_BYTES // MIB))
+    _wait_until(start_at)
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = os.write(fd, view)
+        finally:
+            os.close(fd)
+        if written != CHUNK_BYTES:
+            raise OSError(f"{path}: wrote {written} bytes, expected {CHUNK_BYTES}")
+    return Span(start, time.perf_counter(), len(paths) * CHUNK_BYTES)
+
+
+def lmcache_store(directory: str, names: list[str], start_at: float) -> Span:
+    """LMCache's fs plugin: write `<key>.tmp` in one write, close, rename onto `<key>.data`."""
+    view = memoryview(bytearray(os.urandom(MIB)) * (CHUNK_BYTES // MIB))
+    _wait_until(start_at)
+    start = time.perf_counter()
+    for name in names:
+        temp = os.path.join(directory, name + ".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, view)
+        finally:
+            os.close(fd)
+        os.rename(temp, os.path.join(directory, name + ".data"))
+    return Span(start, time.perf_counter(), len(names) * CHUNK_BYTES)
+
+
+def lmcache_lookup_and_load(directory: str, names: list[str], start_at: float
+                            ) -> tuple[Span, Span]:
+    """LMCache's fs plugin on another instance: stat every key, then read each chunk whole."""
+    paths = [os.path.join(directory, name + ".data") for name in names]
+    _wait_until(start_at)
+    lookup = stat_paths(paths, 0.0)
+    return lookup, read_files(paths, 0.0)
+
+
+def stat_paths(paths: list[str], start_at: float) -> Span:
+    """stat() each path (missing ones too), timing each call."""
+    latencies = []
+    found = 0
+    _wait_until(start_at)
+    clock = time.perf_counter
+    start = clock()
+    for path in paths:
+        before = clock()
+        try:
+            os.stat(path)
+            found += 1
+        except FileNotFoundError:
+            pass
+        latencies.append(clock() - before)
+    return Span(start, clock(), len(paths), tuple(latencies))
+
+
+def create_small_files(paths: list[str], start_at: float) -> Span:
+    """Create, write 4 KiB and close each file: one commit per file on kvfs."""
+    payload = os.urandom(SMALL_FILE_BYTES)
+    _wait_until(start_at)
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, payload)
+        finally:
+            os.close(fd)
+    return Span(start, time.perf_counter(), len(paths))
+
+
+def make_empty_files(directory: str, first: int, last: int) -> Span:
+    """mknod kv_name(first) .. kv_name(last - 1): one request per file, to fill a directory."""
+    start = time.perf_counter()
+    for index in range(first, last):
+        os.mknod(os.path.join(directory, kv_name(index)), stat.S_IFREG | 0o644)
+    return Span(start, time.perf_counter(), last - first)
+
+
+def list_directory(directory: str, start_at: float) -> Span:
+    """A full readdir (names and types, as os.scandir gets them)."""
+    _wait_until(start_at)
+    start = time.perf_counter()
+    with os.scandir(directory) as entries:
+        count = sum(1 for _ in entries)
+    return Span(start, time.perf_counter(), count)
+
+
+# -- the machine -----------------------------------------------------------------------------
+
+
+def drop_caches(level: int = 3) -> None:
+    """Write back dirty data, then drop the page cache (1), dentries and inodes (2) or both (3)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text(f"{level}\n")
+
+
+def evict_file_pages(paths: list[Path]) -> None:
+    """Drop these files' pages (and only theirs) from the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_files(paths: list[Path]) -> None:
+    """Pull these files into the page cache."""
+    buffer = memoryview(bytearray(4 * MIB))
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+
+
+def fio_bandwidth(directory: Path, filename: str, rw: str, size: int) -> float:
+    """One sequential fio job (1 MiB blocks, buffered, one job); returns bytes per second."""
+    result = subprocess.run(
+        ["fio", "--name=seq", f"--directory={directory}", f"--filename={filename}",
+         f"--rw={rw}", "--bs=1M", f"--size={size}", "--direct=0", "--numjobs=1",
+         "--ioengine=psync", "--fallocate=none", "--output-format=json"],
+        capture_output=True, text=True, check=True,
+    )
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    return float(report["jobs"][0]["read" if rw == "read" else "write"]["bw_bytes"])
+
+
+class KvfsMount:
+    """One kvfs volume mounted by the repository's mount_kvfs.py (a daemon of its own)."""
+
+    def __init__(self, data: Path, mountpoint: Path, options: list[str]) -> None:
+        self.data = data
+        self.mountpoint = mountpoint
+        self.options = options
+        self.pid = 0
+
+    @property
+    def mounted(self) -> bool:
+        return any(line.split()[4] == str(self.mountpoint)
+                   for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+    def mount(self) -> float:
+        """Mount; returns the seconds until mount_kvfs.py returned (the mount is live)."""
+        start = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint),
+             "--data", str(self.data), *self.options],
+            capture_output=True, text=True, cwd=REPO,
+        )
+        seconds = time.perf_counter() - start
+        if result.returncode:
+            raise RuntimeError(f"mounting kvfs failed: {result.stderr.strip()}")
+        self.pid = int((self.data / "kvfs.lock").read_text().strip())
+        return seconds
+
+    def unmount(self) -> None:
+        """Unmount and wait for the daemon to exit (lazily if something still holds it)."""
+        if self.mounted:
+            result = subprocess.run(["fusermount3", "-u", str(self.mountpoint)],
+                                    capture_output=True)
+            if result.returncode:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                               capture_output=True)
+        deadline = time.monotonic() + 60
+        while self.pid and _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.pid = 0
+
+    def remount(self) -> float:
+        self.unmount()
+        return self.mount()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
