@@ -48,6 +48,7 @@ class BlockCache:
         self._blocks: OrderedDict[tuple[int, int], tuple[memoryview, int]] = OrderedDict()
         self._by_blob: dict[int, set[int]] = {}
         self._loading: dict[tuple[int, int], trio.Event] = {}
+        self._horizon: dict[int, int] = {}  # blob -> first block readahead has not reached
         self._limiter = trio.CapacityLimiter(VOLUME_READERS)
         self._urgent = trio.CapacityLimiter(VOLUME_READERS)  # blocks a request waits for
         self._nursery: trio.Nursery | None = None
@@ -86,7 +87,7 @@ class BlockCache:
             await loading.wait()  # if that load failed, the loop loads it here and raises
         count = self._run_length(info, block, len(info.sums))
         slots = self._take_slots(count) or [memoryview(bytearray(BLOCK_SIZE))]
-        views = await self._run(os.dup(fd), info, block, slots,
+        views = await self._run(fd, info, block, slots,
                                 self._mark_loading(info, block, len(slots)), self._urgent)
         return views[0]
 
@@ -106,16 +107,22 @@ class BlockCache:
         if self._nursery is None:
             return
         end = min(len(info.sums), block + self.readahead // info.block_size)
+        block = max(block, self._horizon.get(info.blob_id, 0))  # scheduled already up to here
+        if block >= end:
+            return
+        self._horizon[info.blob_id] = end
+        runs = []
         while block < end:
             if self._present(info.blob_id, block):
                 block += 1
                 continue
             slots = self._take_slots(self._run_length(info, block, end))
             if not slots:
-                return  # every slot is busy loading: the reader catches up first
-            self._nursery.start_soon(self._load_quietly, os.dup(fd), info, block, slots,
-                                     self._mark_loading(info, block, len(slots)))
+                break  # every slot is busy loading: the reader catches up first
+            runs.append((block, slots, self._mark_loading(info, block, len(slots))))
             block += len(slots)
+        if runs:  # one task loads them in file order: the next block a reader needs comes first
+            self._nursery.start_soon(self._load_in_order, os.dup(fd), info, runs)
 
     def _take_slots(self, count: int) -> list[memoryview]:
         """Up to `count` free slots, giving up least recently used blocks for them."""
@@ -133,6 +140,7 @@ class BlockCache:
         blocks.discard(index)
         if not blocks:
             del self._by_blob[blob_id]
+            self._horizon.pop(blob_id, None)  # a later read starts readahead afresh
 
     def _mark_loading(self, info: BlobInfo, block: int, count: int) -> trio.Event:
         event = trio.Event()
@@ -140,34 +148,46 @@ class BlockCache:
             self._loading[(info.blob_id, index)] = event
         return event
 
-    async def _load_quietly(self, fd: int, info: BlobInfo, block: int, slots: list[memoryview],
-                            event: trio.Event) -> None:
-        """A readahead run: a failure is left for the reader that needs the block."""
+    async def _load_in_order(self, fd: int, info: BlobInfo,
+                             runs: list[tuple[int, list[memoryview], trio.Event]]) -> None:
+        """Readahead: load runs one after another; on a failure the rest are given up and
+        left to the readers that need them (who then get the error themselves)."""
         try:
-            await self._run(fd, info, block, slots, event, self._limiter)
-        except ChecksumError as error:
-            log.debug("readahead stopped: %s", error)
+            for position, (block, slots, event) in enumerate(runs):
+                try:
+                    await self._run(fd, info, block, slots, event, self._limiter)
+                except ChecksumError as error:
+                    log.debug("readahead stopped: %s", error)
+                    for later in runs[position + 1:]:
+                        self._settle(info, *later, loaded=False)
+                    return
+        finally:
+            os.close(fd)
 
     async def _run(self, fd: int, info: BlobInfo, block: int, slots: list[memoryview],
                    event: trio.Event, limiter: trio.CapacityLimiter) -> list[memoryview]:
-        """Read and verify blocks into `slots` in a worker thread; `fd` is ours to close."""
-        wanted = False
+        """Read and verify blocks into `slots` in a worker thread."""
+        loaded = False
         try:
             views = await trio.to_thread.run_sync(self.data.read_blocks, fd, info, block, slots,
                                                   limiter=limiter)
-            wanted = self._loading.get((info.blob_id, block)) is event  # not dropped meanwhile
-            if wanted:
+            loaded = self._loading.get((info.blob_id, block)) is event  # not dropped meanwhile
+            if loaded:
                 for index, (slot, view) in enumerate(zip(slots, views, strict=True), block):
                     self._insert((info.blob_id, index), slot, len(view))
             return views
         finally:
-            os.close(fd)
-            if not wanted:
-                self._free.extend(slot for slot in slots if slot.obj is self._arena)
-            for index in range(block, block + len(slots)):
-                if self._loading.get((info.blob_id, index)) is event:
-                    del self._loading[(info.blob_id, index)]
-            event.set()
+            self._settle(info, block, slots, event, loaded)
+
+    def _settle(self, info: BlobInfo, block: int, slots: list[memoryview], event: trio.Event,
+                loaded: bool) -> None:
+        """A run is over: free its slots unless cached, clear its marks, wake its waiters."""
+        if not loaded:
+            self._free.extend(slot for slot in slots if slot.obj is self._arena)
+        for index in range(block, block + len(slots)):
+            if self._loading.get((info.blob_id, index)) is event:
+                del self._loading[(info.blob_id, index)]
+        event.set()
 
     def _insert(self, key: tuple[int, int], slot: memoryview, length: int) -> None:
         if slot.obj is not self._arena:
@@ -182,3 +202,4 @@ class BlockCache:
             self._release(blob_id, index, slot, length)
         for key in [key for key in self._loading if key[0] == blob_id]:
             del self._loading[key]
+        self._horizon.pop(blob_id, None)

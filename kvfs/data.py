@@ -9,8 +9,8 @@ A writer fills a staging file; committing publishes it (rename into blobs/) righ
 metadata commit that makes it visible. After a crash, `recover` rolls forward staging files the
 metadata already names and deletes the rest, so nothing leaks and no data file is scanned.
 
-Checksums are xxh3-64 per BLOCK_SIZE block, computed as writes stream in (a block written whole
-in one request is hashed from that request's buffer; anything else is hashed once at commit) and
+Checksums are xxh3-64 per BLOCK_SIZE block, computed as sequential writes stream in (whatever
+their request boundaries; blocks written out of sequence are hashed once at commit) and
 verified on every read from the volume.
 """
 
@@ -58,13 +58,14 @@ class DataStore:
     def discard_staging(self, blob_id: int) -> None:
         _unlink_quietly(self.staging_path(blob_id))
 
-    def open_blob(self, blob_id: int, whole: bool = False) -> int:
-        """Open a blob for reading; `whole`: it will be read entirely, so have the kernel
-        start reading it from the volume now (LMCache reads every chunk whole)."""
-        fd = os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
-        if whole:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        return fd
+    def open_blob(self, blob_id: int) -> int:
+        return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+
+    @staticmethod
+    def will_read(fd: int) -> None:
+        """The blob will be read whole (LMCache reads every chunk whole): have the kernel
+        start reading it from the volume now, in the background."""
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
     def remove(self, blob_id: int) -> None:
         """Delete a blob file; handles that have it open keep reading it until they close."""
@@ -138,6 +139,10 @@ class StagedFile:
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.sums: dict[int, int] = {}
         self._base = (base_fd, base) if base_fd is not None and base is not None else None
+        # Sequential writes are hashed as they stream in, across request boundaries: the
+        # hasher holds the block being filled, up to _stream_end (None: not streaming).
+        self._hasher = xxhash.xxh3_64()
+        self._stream_end: int | None = 0
 
     @property
     def physical(self) -> int:
@@ -172,17 +177,28 @@ class StagedFile:
         self._materialize()
         written = os.pwrite(self.fd, data, offset)
         end = offset + written
-        first, last = offset // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
-        view = memoryview(data)
-        for block in range(first, last + 1):
-            block_start = block * BLOCK_SIZE
-            if block_start >= offset and block_start + BLOCK_SIZE <= end:
-                chunk = view[block_start - offset: block_start - offset + BLOCK_SIZE]
-                self.sums[block] = xxhash.xxh3_64_intdigest(chunk)
-            else:
-                self.sums.pop(block, None)
+        for block in range(offset // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+            self.sums.pop(block, None)  # set again below when streamed whole, else at commit
+        if offset != self._stream_end:  # out of sequence: restart at a block boundary only
+            self._hasher.reset()
+            self._stream_end = offset if offset % BLOCK_SIZE == 0 else None
+        if self._stream_end is not None:
+            self._stream(memoryview(data)[:written], offset)
         self.size = max(self.size, end)
         return written
+
+    def _stream(self, data: memoryview, offset: int) -> None:
+        """Hash bytes that continue the sequential stream; a block's sum is set when full."""
+        done = 0
+        while done < len(data):
+            position = offset + done
+            take = min(len(data) - done, BLOCK_SIZE - position % BLOCK_SIZE)
+            self._hasher.update(data[done: done + take])
+            done += take
+            if (position + take) % BLOCK_SIZE == 0:
+                self.sums[(position + take) // BLOCK_SIZE - 1] = self._hasher.intdigest()
+                self._hasher.reset()
+        self._stream_end = offset + len(data)
 
     def truncate(self, size: int) -> None:
         if size == 0:
@@ -192,6 +208,9 @@ class StagedFile:
         boundary = size // BLOCK_SIZE
         for block in [b for b in self.sums if b >= boundary]:
             del self.sums[block]
+        if self._stream_end != size:
+            self._hasher.reset()
+            self._stream_end = size if size % BLOCK_SIZE == 0 else None
         self.size = size
 
     def read(self, offset: int, size: int) -> bytes:
@@ -202,6 +221,8 @@ class StagedFile:
         """Hash what was not hashed while streaming, flush if asked; the blob is final."""
         self._materialize()
         blocks = -(-self.size // BLOCK_SIZE)
+        if self._stream_end == self.size and self.size % BLOCK_SIZE:
+            self.sums[blocks - 1] = self._hasher.intdigest()  # the stream's partial last block
         sums = array("Q", bytes(8 * blocks))
         for block in range(blocks):
             digest = self.sums.get(block)

@@ -4,10 +4,13 @@ Close-to-open isolation: a read handle reads the blob the inode pointed at when 
 a write handle fills a private staged blob that its flush (close) commits in one metadata
 transaction. Concurrent writers of one name each have their own blob; the last to close wins.
 
-Page cache: committed blobs are immutable, so a read handle keeps the kernel's cached pages
-when they hold the version being opened (keep_cache) and drops them otherwise. Handles that
-could disagree with the cached pages bypass the cache (direct_io): writers, and readers opened
-while a writer is open or another handle of the same inode reads a different version.
+Page cache: the first read of a version bypasses the kernel page cache (direct_io): the kernel
+then sends a whole chunk's requests at once, so they are answered as the volume delivers,
+without filling pages nobody may read again. A version opened again is read through the page
+cache and kept there across opens (keep_cache): committed blobs are immutable, so a chunk
+read by several instances is then served from kernel memory. Handles that could disagree
+with the cached pages bypass it too: writers, and readers opened while a writer is open or
+another handle of the same inode reads a different version.
 
 The kernel keeps one size and one page cache per inode, and a writer's open (O_TRUNC) and
 writes change them for every handle. So a writer of a file that page-cache readers have open
@@ -80,6 +83,7 @@ class FileTable:
         self._handles: dict[int, Handle] = {}
         self._open: dict[int, OpenInode] = {}
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
+        self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
         self._next_fh = count(1)
 
     # -- attributes ----------------------------------------------------------------------
@@ -101,7 +105,7 @@ class FileTable:
         if writable and await self._wait_for_page_cache_readers(inode.ino):
             inode = self.meta.get(inode.ino)  # it may have changed meanwhile
         blob = self.meta.blob(inode.blob) if inode.blob else None
-        fd = self._open_blob(inode, blob, whole=flags & os.O_ACCMODE == os.O_RDONLY)
+        fd = self._open_blob(inode, blob)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd)
         self.space.touch(inode.ino)
@@ -113,10 +117,15 @@ class FileTable:
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
             self.truncate(handle, 0)
-        if writable or contended:
+        keep = self._cached_version.get(inode.ino) == inode.version
+        first_read = self._read_directly.get(inode.ino) != inode.version
+        if not keep and fd is not None:
+            self.data.will_read(fd)  # the kernel's pages are not there: reads will come here
+        if writable or contended or (first_read and not keep):
+            if not writable:
+                self._read_directly[inode.ino] = inode.version
             return Opened(handle.fh, direct_io=True, keep_cache=True)
         handle.page_cache = True
-        keep = self._cached_version.get(inode.ino) == inode.version
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
@@ -138,11 +147,11 @@ class FileTable:
             state.writers_waiting -= 1
         return True
 
-    def _open_blob(self, inode: Inode, blob: BlobInfo | None, whole: bool) -> int | None:
+    def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
             return None
         try:
-            return self.data.open_blob(blob.blob_id, whole)
+            return self.data.open_blob(blob.blob_id)
         except FileNotFoundError:
             self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None
@@ -172,6 +181,7 @@ class FileTable:
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""
         self._cached_version.pop(ino, None)
+        self._read_directly.pop(ino, None)
 
     def unlinked(self, inode: Inode) -> None:
         """An entry was removed or replaced: keep serving open handles, free its blob."""
@@ -180,6 +190,7 @@ class FileTable:
             state.inode = replace(inode, nlink=0)
             state.unlinked = True
         self._cached_version.pop(inode.ino, None)
+        self._read_directly.pop(inode.ino, None)
         self.free_blob(inode.blob)
 
     def free_blob(self, blob_id: int) -> None:

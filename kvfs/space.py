@@ -34,6 +34,7 @@ VOLUME_RESERVE_SHARE = 0.05  # ... or this share of a small volume
 EVICTION_BATCH = 64
 TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
+SLACK_SECONDS = 0.1
 
 
 class Space:
@@ -46,6 +47,10 @@ class Space:
         self.on_evicted = on_evicted
         self.inflight = 0  # bytes staged by open write handles
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
+        # Room measured by the last full check, spent by later reservations until it runs out
+        # or gets old (the volume's free space can change behind our back).
+        self._slack = 0
+        self._slack_until = 0.0
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -63,9 +68,14 @@ class Space:
         """Make room for `growth` more bytes, evicting if needed; ENOSPC if impossible."""
         if growth <= 0:
             return
+        if growth <= self._slack and time.monotonic() < self._slack_until:
+            self._slack -= growth  # room known to be there: no statvfs, no metadata read
+            return
         capacity = self.capacity()
         if self.used() + growth > capacity and not self.evict_to(capacity - growth):
             raise fail(errno.ENOSPC)
+        self._slack = capacity - self.used() - growth
+        self._slack_until = time.monotonic() + SLACK_SECONDS
 
     # -- recency -------------------------------------------------------------------------
 
