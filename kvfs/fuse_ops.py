@@ -92,7 +92,7 @@ class KernelNotifier:
         self._thread.join(timeout=5)
 
 
-def entry_attributes(inode: Inode) -> EntryAttributes:
+def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttributes:
     entry = EntryAttributes()
     entry.st_ino = inode.ino
     entry.st_mode = inode.mode
@@ -105,8 +105,8 @@ def entry_attributes(inode: Inode) -> EntryAttributes:
     entry.st_atime_ns = inode.atime_ns
     entry.st_mtime_ns = inode.mtime_ns
     entry.st_ctime_ns = inode.ctime_ns
-    entry.entry_timeout = ENTRY_TIMEOUT
-    entry.attr_timeout = ENTRY_TIMEOUT
+    entry.entry_timeout = timeout
+    entry.attr_timeout = timeout
     return entry
 
 
@@ -151,6 +151,12 @@ class KvfsOperations(pyfuse3.Operations):
             return entry_attributes(control)
         inode = self.meta.lookup(parent_inode, name)
         if inode is None:
+            moved = self.files.moved_away(parent_inode, name)
+            if moved is not None:
+                # A writer sharing this temp name is about to rename it: it finds its file
+                # (already renamed by another writer: the kernel sees a rename onto itself,
+                # which succeeds). Not cached, so nobody else sees the name for long.
+                return entry_attributes(self.files.attributes(moved), timeout=0.0)
             self.stats.lookup_misses += 1
             return negative_entry()
         self.stats.lookup_hits += 1
@@ -209,6 +215,9 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
         replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                     flags)
+        moved = self.meta.lookup(parent_inode_new, name_new)
+        if moved is not None:
+            self.files.renamed(parent_inode_old, name_old, moved.ino)
         if replaced is not None:
             self.files.unlinked(replaced)
 
@@ -263,6 +272,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
+        self.files.name_reused(parent_inode, name)
         opened = await self.files.open(inode, flags & ~os.O_TRUNC)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
                         keep_cache=opened.keep_cache), entry_attributes(inode)

@@ -37,6 +37,14 @@ from kvfs.stats import Stats
 log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
+MOVED_NAME_SECONDS = 2.0  # how long a moved name serves its writers after they close
+
+
+@dataclass(eq=False)
+class MovedName:
+    ino: int
+    writers: set[int]  # handles that were writing the file when it was renamed away
+    closed_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -84,6 +92,8 @@ class FileTable:
         self._open: dict[int, OpenInode] = {}
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
         self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
+        self._moved: dict[tuple[int, bytes], MovedName] = {}
+        self._writer_closes: dict[int, list[float]] = {}  # ino -> recent closes of writers
         self._next_fh = count(1)
 
     # -- attributes ----------------------------------------------------------------------
@@ -164,6 +174,8 @@ class FileTable:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
+        if handle.writable:
+            self._writer_closed(handle)
         try:
             self.flush(handle)
         finally:
@@ -177,6 +189,42 @@ class FileTable:
                 state.readers_gone = None
             if not state.handles:
                 del self._open[handle.ino]
+
+    def renamed(self, parent: int, name: bytes, ino: int) -> None:
+        """`ino` left (parent, name) while other handles were writing it, or had just written
+        it: those writers will rename the old name too (LMCache's shared `<key>.tmp`)."""
+        state = self._open.get(ino)
+        writers = {h.fh for h in state.handles if h.writable} if state is not None else set()
+        now = trio.current_time()
+        recent = [t for t in self._writer_closes.get(ino, ()) if t > now - MOVED_NAME_SECONDS]
+        if len(writers) + len(recent) >= 2:  # the renamer itself is one of them
+            self._moved[(parent, name)] = MovedName(ino, writers, closed_at=now)
+
+    def moved_away(self, parent: int, name: bytes) -> int | None:
+        """The inode renamed away from (parent, name) while its other writers still need the
+        old name: until shortly after the last of them closes."""
+        moved = self._moved.get((parent, name))
+        if moved is None:
+            return None
+        if moved.writers or trio.current_time() < moved.closed_at + MOVED_NAME_SECONDS:
+            return moved.ino
+        del self._moved[(parent, name)]
+        return None
+
+    def name_reused(self, parent: int, name: bytes) -> None:
+        self._moved.pop((parent, name), None)
+
+    def _writer_closed(self, handle: Handle) -> None:
+        now = trio.current_time()
+        closes = self._writer_closes.setdefault(handle.ino, [])
+        closes[:] = [t for t in closes if t > now - MOVED_NAME_SECONDS] + [now]
+        if len(self._writer_closes) > 1024:  # forget files nobody wrote lately
+            self._writer_closes = {ino: times for ino, times in self._writer_closes.items()
+                                   if times[-1] > now - MOVED_NAME_SECONDS}
+        for moved in self._moved.values():
+            if handle.fh in moved.writers:
+                moved.writers.discard(handle.fh)
+                moved.closed_at = now
 
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""

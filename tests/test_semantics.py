@@ -7,6 +7,7 @@ import mmap
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,39 @@ def test_hostile_requests_leave_the_mount_alive(kvfs) -> None:
     assert os.read(fd, 10) == b"x"
     os.close(fd)
     assert path.read_bytes() == b"data"  # still alive and unchanged
+
+
+def test_writers_sharing_a_temp_name_both_rename_cleanly(kvfs) -> None:
+    """LMCache's fs plugin: every writer of a chunk writes `<key>.tmp`, closes, renames it to
+    `<key>.data`. The second rename finds its file already there: success, no error."""
+    root = kvfs.mountpoint
+    temp, final = root / "key.tmp", root / "key.data"
+    first = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    second = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(first, b"1" * MiB)
+    os.write(second, b"2" * MiB)
+    os.close(first)
+    os.rename(temp, final)
+    assert final.read_bytes() == b"1" * MiB
+    os.close(second)
+    os.rename(temp, final)
+    assert final.read_bytes() == b"2" * MiB  # the last to close
+    assert os.listdir(root) == ["key.data"]
+    time.sleep(2.5)  # the old name serves its writers only briefly after they close
+    assert errno_of(os.rename, temp, final) == errno.ENOENT
+    assert errno_of(os.rename, root / "never.tmp", final) == errno.ENOENT
+
+
+def test_writers_sharing_a_temp_name_closing_before_either_renames(kvfs) -> None:
+    root = kvfs.mountpoint
+    temp, final = root / "key.tmp", root / "key.data"
+    first = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    second = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(first, b"1" * MiB)
+    os.write(second, b"2" * MiB)
+    os.close(first)
+    os.close(second)
+    os.rename(temp, final)
+    os.rename(temp, final)
+    assert final.read_bytes() == b"2" * MiB
+    assert os.listdir(root) == ["key.data"]
