@@ -108,12 +108,14 @@ class KvfsMount:
 
 @pytest.fixture
 def make_mount(tmp_path: Path) -> Iterator:
-    """Factory: make_mount(*options) mounts a fresh kvfs; all are unmounted at teardown."""
+    """Factory: make_mount(*options) mounts a fresh kvfs (its mountpoint in `where`, default
+    the test's tmp_path); all are unmounted at teardown."""
     mounts: list[KvfsMount] = []
 
-    def factory(*options: str, data: Path | None = None, mount: bool = True) -> KvfsMount:
+    def factory(*options: str, data: Path | None = None, mount: bool = True,
+                where: Path | None = None) -> KvfsMount:
         index = len(mounts)
-        mountpoint = tmp_path / f"mnt{index}"
+        mountpoint = (where or tmp_path) / f"mnt{index}"
         mountpoint.mkdir()
         kvfs = KvfsMount(mountpoint, data or tmp_path / f"data{index}", list(options))
         mounts.append(kvfs)
