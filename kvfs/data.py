@@ -175,6 +175,7 @@ class StagedFile:
         if self._base is not None and self._replaces_base(offset, len(data)):
             self._base = None
         self._materialize()
+        self._grow(offset)
         written = os.pwrite(self.fd, data, offset)
         end = offset + written
         for block in range(offset // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
@@ -186,6 +187,11 @@ class StagedFile:
             self._stream(memoryview(data)[:written], offset)
         self.size = max(self.size, end)
         return written
+
+    def _grow(self, position: int) -> None:
+        """Zeros up to `position` join the last block: its sum is no longer that block's."""
+        if position > self.size and self.size % BLOCK_SIZE:
+            self.sums.pop(self.size // BLOCK_SIZE, None)
 
     def _stream(self, data: memoryview, offset: int) -> None:
         """Hash bytes that continue the sequential stream; a block's sum is set when full."""
@@ -204,6 +210,7 @@ class StagedFile:
         if size == 0:
             self._base = None
         self._materialize()
+        self._grow(size)
         os.ftruncate(self.fd, size)
         boundary = size // BLOCK_SIZE
         for block in [b for b in self.sums if b >= boundary]:

@@ -26,6 +26,7 @@ from kvfs.handles import FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.tempnames import tgid_of
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class KvfsOperations(pyfuse3.Operations):
             return entry_attributes(control)
         inode = self.meta.lookup(parent_inode, name)
         if inode is None:
-            moved = self.files.moved_away(parent_inode, name)
+            moved = self.files.temp_names.moved(parent_inode, name, ctx.pid)
             if moved is not None:
                 # A writer sharing this temp name is about to rename it: it finds its file
                 # (already renamed by another writer: the kernel sees a rename onto itself,
@@ -217,7 +218,8 @@ class KvfsOperations(pyfuse3.Operations):
                                     flags)
         moved = self.meta.lookup(parent_inode_new, name_new)
         if moved is not None:
-            self.files.renamed(parent_inode_old, name_old, moved.ino)
+            self.files.temp_names.renamed(parent_inode_old, name_old, moved.ino,
+                                          tgid_of(ctx.pid))
         if replaced is not None:
             self.files.unlinked(replaced)
 
@@ -272,15 +274,15 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
-        self.files.name_reused(parent_inode, name)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC)
+        self.files.temp_names.created(parent_inode, name)
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC, ctx.pid)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
                         keep_cache=opened.keep_cache), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(self.meta.get(inode), flags)
+        opened = await self.files.open(self.meta.get(inode), flags, ctx.pid)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

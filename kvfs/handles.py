@@ -33,18 +33,11 @@ from kvfs.data import ChecksumError, DataStore, StagedFile
 from kvfs.meta import BlobInfo, Inode, MetaStore, fail
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.tempnames import SharedTempNames, tgid_of
 
 log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
-MOVED_NAME_SECONDS = 2.0  # how long a moved name serves its writers after they close
-
-
-@dataclass(eq=False)
-class MovedName:
-    ino: int
-    writers: set[int]  # handles that were writing the file when it was renamed away
-    closed_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -58,6 +51,7 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
+    process: int = 0  # of a writer: who opened it (see tempnames)
 
 
 @dataclass(eq=False)
@@ -92,8 +86,7 @@ class FileTable:
         self._open: dict[int, OpenInode] = {}
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
         self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
-        self._moved: dict[tuple[int, bytes], MovedName] = {}
-        self._writer_closes: dict[int, list[float]] = {}  # ino -> recent closes of writers
+        self.temp_names = SharedTempNames()
         self._next_fh = count(1)
 
     # -- attributes ----------------------------------------------------------------------
@@ -108,16 +101,21 @@ class FileTable:
 
     # -- open / close --------------------------------------------------------------------
 
-    async def open(self, inode: Inode, flags: int) -> Opened:
+    async def open(self, inode: Inode, flags: int, pid: int) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
+            inode = await self.truncate_path(inode, 0)
         if writable and await self._wait_for_page_cache_readers(inode.ino):
             inode = self.meta.get(inode.ino)  # it may have changed meanwhile
         blob = self.meta.blob(inode.blob) if inode.blob else None
         fd = self._open_blob(inode, blob)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd)
+        if writable:
+            handle.process = tgid_of(pid)
+            self.temp_names.writer_opened(inode.ino, handle.process)
         self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
@@ -149,7 +147,8 @@ class FileTable:
         try:
             with trio.move_on_after(WRITER_WAIT_SECONDS):
                 while state.page_cache_readers():
-                    state.readers_gone = state.readers_gone or trio.Event()
+                    if state.readers_gone is None:
+                        state.readers_gone = trio.Event()
                     await state.readers_gone.wait()
             if state.page_cache_readers():
                 log.info("writer of %r proceeds with readers still open", state.inode.name)
@@ -175,7 +174,7 @@ class FileTable:
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         if handle.writable:
-            self._writer_closed(handle)
+            self.temp_names.writer_closed(handle.ino, handle.process)
         try:
             self.flush(handle)
         finally:
@@ -189,42 +188,6 @@ class FileTable:
                 state.readers_gone = None
             if not state.handles:
                 del self._open[handle.ino]
-
-    def renamed(self, parent: int, name: bytes, ino: int) -> None:
-        """`ino` left (parent, name) while other handles were writing it, or had just written
-        it: those writers will rename the old name too (LMCache's shared `<key>.tmp`)."""
-        state = self._open.get(ino)
-        writers = {h.fh for h in state.handles if h.writable} if state is not None else set()
-        now = trio.current_time()
-        recent = [t for t in self._writer_closes.get(ino, ()) if t > now - MOVED_NAME_SECONDS]
-        if len(writers) + len(recent) >= 2:  # the renamer itself is one of them
-            self._moved[(parent, name)] = MovedName(ino, writers, closed_at=now)
-
-    def moved_away(self, parent: int, name: bytes) -> int | None:
-        """The inode renamed away from (parent, name) while its other writers still need the
-        old name: until shortly after the last of them closes."""
-        moved = self._moved.get((parent, name))
-        if moved is None:
-            return None
-        if moved.writers or trio.current_time() < moved.closed_at + MOVED_NAME_SECONDS:
-            return moved.ino
-        del self._moved[(parent, name)]
-        return None
-
-    def name_reused(self, parent: int, name: bytes) -> None:
-        self._moved.pop((parent, name), None)
-
-    def _writer_closed(self, handle: Handle) -> None:
-        now = trio.current_time()
-        closes = self._writer_closes.setdefault(handle.ino, [])
-        closes[:] = [t for t in closes if t > now - MOVED_NAME_SECONDS] + [now]
-        if len(self._writer_closes) > 1024:  # forget files nobody wrote lately
-            self._writer_closes = {ino: times for ino, times in self._writer_closes.items()
-                                   if times[-1] > now - MOVED_NAME_SECONDS}
-        for moved in self._moved.values():
-            if handle.fh in moved.writers:
-                moved.writers.discard(handle.fh)
-                moved.closed_at = now
 
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""
@@ -288,7 +251,7 @@ class FileTable:
 
     async def truncate_path(self, inode: Inode, size: int) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once."""
-        opened = await self.open(inode, os.O_WRONLY)
+        opened = await self.open(inode, os.O_WRONLY, pid=0)
         try:
             self.truncate(self._handles[opened.fh], size)
         finally:

@@ -180,7 +180,6 @@ class MetaStore:
         doomed = self._db["doomed"]
         for blob_id in self._reaped:
             txn.delete(u64(blob_id), db=doomed)
-        self._reaped.clear()
         return txn
 
     def _write(self) -> _WriteTxn:
@@ -646,6 +645,7 @@ class _WriteTxn:
         self.store = store
 
     def __enter__(self) -> lmdb.Transaction:
+        self.reaped = len(self.store._reaped)  # forgotten only once this commit lands
         self.txn = self.store._begin_write()
         return self.txn
 
@@ -659,3 +659,4 @@ class _WriteTxn:
             self.txn.commit()
         except lmdb.MapFullError as full:
             raise fail(errno.ENOSPC) from full
+        del self.store._reaped[: self.reaped]

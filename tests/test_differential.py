@@ -23,12 +23,12 @@ Only the differences kvfs documents (README: "Guarantees", "Semantics not offere
   still answers lookups of its old name for 2 s. The test tracks those windows and leaves the
   old name alone until it has expired.
 
-Cost: by default 25 examples of up to 30 steps (about half a minute). Other profiles, selected
+Cost: by default 100 examples of up to 50 steps (about 10 s on 2 cores). Other profiles, selected
 with the environment variable KVFS_HYPOTHESIS_PROFILE:
 
     KVFS_HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_differential.py
-        2000 examples of up to 80 steps (an hour or so): after changes to the namespace or
-        write paths, or as a soak;
+        5000 examples of up to 80 steps (about 15 minutes): after changes to the namespace
+        or write paths, or as a soak;
     KVFS_HYPOTHESIS_PROFILE=quick    5 examples of up to 20 steps: a smoke run.
 
 A failure prints the shortest sequence of steps hypothesis found as a runnable program; it is
@@ -64,9 +64,9 @@ from hypothesis.stateful import (
 MiB = 1 << 20
 
 PROFILES: dict[str, dict[str, int]] = {
-    "default": {"max_examples": 25, "stateful_step_count": 30},
+    "default": {"max_examples": 100, "stateful_step_count": 50},
     "quick": {"max_examples": 5, "stateful_step_count": 20},
-    "long": {"max_examples": 2000, "stateful_step_count": 80},
+    "long": {"max_examples": 5000, "stateful_step_count": 80},
 }
 PROFILE = os.environ.get("KVFS_HYPOTHESIS_PROFILE", "default")
 if PROFILE not in PROFILES:

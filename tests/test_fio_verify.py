@@ -43,6 +43,7 @@ bssplit=4k/30:16k/15:64k/15:256k/20:1m/20
 verify=crc32c
 verify_fatal=1
 verify_backlog=0
+verify_state_save=0
 do_verify=1
 randrepeat=1
 filename_format=$jobname.$jobnum
@@ -59,7 +60,7 @@ rw=randwrite
 def run_fio(job: Path, *extra: str, timeout: float = 120) -> list[dict]:
     """Run fio; returns its per-job reports after checking it succeeded without errors."""
     assert FIO is not None
-    result = subprocess.run([FIO, "--output-format=json", *extra, str(job)],
+    result = subprocess.run([FIO, "--output-format=json", *extra, str(job)], cwd=job.parent,
                             capture_output=True, text=True, timeout=timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"fio exited {result.returncode}:\n{output[-4000:]}"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import errno
 import mmap
+import multiprocessing
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -293,37 +293,51 @@ def test_hostile_requests_leave_the_mount_alive(kvfs) -> None:
     assert path.read_bytes() == b"data"  # still alive and unchanged
 
 
-def test_writers_sharing_a_temp_name_both_rename_cleanly(kvfs) -> None:
+def shared_temp_writer(temp: Path, final: Path, payload: bytes, opened, go, done) -> None:
+    """One LMCache-like writer process: open <key>.tmp, write, then on `go` close and rename."""
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, payload)
+    opened.set()
+    go.wait(30)
+    os.close(fd)
+    os.rename(temp, final)  # raises (and the process exits non-zero) on ENOENT
+    done.set()
+
+
+@pytest.mark.parametrize("close_both_first", [False, True])
+def test_writers_sharing_a_temp_name_both_rename_cleanly(kvfs, close_both_first: bool) -> None:
     """LMCache's fs plugin: every writer of a chunk writes `<key>.tmp`, closes, renames it to
-    `<key>.data`. The second rename finds its file already there: success, no error."""
+    `<key>.data`. With two processes at once, the second rename finds its file already in
+    place: success, no error, and the chunk is the last closer's."""
+    context = multiprocessing.get_context("fork")
     root = kvfs.mountpoint
     temp, final = root / "key.tmp", root / "key.data"
-    first = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    second = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.write(first, b"1" * MiB)
-    os.write(second, b"2" * MiB)
-    os.close(first)
-    os.rename(temp, final)
-    assert final.read_bytes() == b"1" * MiB
-    os.close(second)
-    os.rename(temp, final)
-    assert final.read_bytes() == b"2" * MiB  # the last to close
+    events = [[context.Event() for _ in range(3)] for _ in range(2)]
+    writers = [context.Process(target=shared_temp_writer,
+                               args=(temp, final, str(n + 1).encode() * MiB, *events[n]))
+               for n in range(2)]
+    for writer, (opened, _, _) in zip(writers, events, strict=True):
+        writer.start()
+        assert opened.wait(30)
+    for _, go, done in events:
+        go.set()
+        if not close_both_first:
+            assert done.wait(30)
+    for writer in writers:
+        writer.join(30)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert final.read_bytes() in (b"1" * MiB, b"2" * MiB)
     assert os.listdir(root) == ["key.data"]
-    time.sleep(2.5)  # the old name serves its writers only briefly after they close
-    assert errno_of(os.rename, temp, final) == errno.ENOENT
-    assert errno_of(os.rename, root / "never.tmp", final) == errno.ENOENT
+    assert errno_of(os.stat, temp) == errno.ENOENT  # only those writers saw the old name
 
 
-def test_writers_sharing_a_temp_name_closing_before_either_renames(kvfs) -> None:
+def test_a_renamed_name_is_free_for_a_new_file_at_once(kvfs) -> None:
+    """One process writing twice, renaming, and creating the old name again gets a new file."""
     root = kvfs.mountpoint
-    temp, final = root / "key.tmp", root / "key.data"
-    first = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    second = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.write(first, b"1" * MiB)
-    os.write(second, b"2" * MiB)
-    os.close(first)
-    os.close(second)
-    os.rename(temp, final)
-    os.rename(temp, final)
-    assert final.read_bytes() == b"2" * MiB
-    assert os.listdir(root) == ["key.data"]
+    (root / "a").write_bytes(b"first")
+    with open(root / "a", "ab") as appender:
+        appender.write(b"+more")
+    os.rename(root / "a", root / "b")
+    (root / "a").write_bytes(b"NEW")
+    assert (root / "b").read_bytes() == b"first+more"
+    assert (root / "a").read_bytes() == b"NEW"
