@@ -347,12 +347,19 @@ def unlink_open(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
 
 def shared_tmp_writer(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
     """LMCache's fs plugin: every writer of a chunk writes <key>.tmp, closes and renames it to
-    <key>.data; writers of one chunk share the temp name. Every rename must succeed."""
+    <key>.data; writers of one chunk share the temp name. Every rename must succeed. Like
+    LMCache instances storing the same new prompt, each writer stores each key once (a name
+    rewritten again while another writer still renames it is a race of any filesystem)."""
     version, step = spec["index"], spec["writers"]
     (root / "race" / "shared").mkdir(parents=True, exist_ok=True)
+    written: set[int] = set()
     while time.monotonic() < spec["deadline"]:
+        key = int(time.monotonic() / 0.25)  # writers pick the same key at the same time
+        if key in written:
+            time.sleep(0.01)
+            continue
+        written.add(key)
         version += step
-        key = int(time.monotonic() / 0.25) % 4  # writers pick the same key at the same time
         final = f"race/shared/k{key}.data"
         temp = root / "race" / "shared" / f"k{key}.tmp"
         write_file(temp, make_content(final, version, sizes(rng, MiB)), rng, pause=0.003)
@@ -726,8 +733,8 @@ class Soak:
                 self.error(kind, f"round {number}: race/same holds version {final}, but "
                                  f"version {later[0]} closed after it: the last close lost")
         # Shared temp names: every chunk is whole.
-        for key in range(4):
-            self.final_version(kind, f"race/shared/k{key}.data")
+        for path in sorted((self.mountpoint / "race" / "shared").glob("k*.data")):
+            self.final_version(kind, str(path.relative_to(self.mountpoint)))
 
     def fio_round(self, number: int) -> None:
         kind = "fio"
