@@ -47,6 +47,8 @@ XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
 FORMAT = b"kvfs-1"
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
+MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
+MAP_HEADROOM_MIN = 1 << 20
 
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQqqqQQQ")
@@ -372,9 +374,24 @@ class MetaStore:
 
     # -- namespace changes ---------------------------------------------------------------
 
+    def _check_room(self) -> None:
+        """Refuse growth of the namespace near a full map, so that removing files (which
+        needs fresh pages too: LMDB copies on write) always remains possible."""
+        info, page = self.env.info(), self.env.stat()["psize"]
+        limit = info["map_size"] - max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
+        if (info["last_pgno"] + 1) * page <= limit:
+            return
+        with self.env.begin() as txn:
+            dbs = [None, *self._db.values()]
+            used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+                       for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
+        if used * page > limit:
+            raise fail(errno.ENOSPC)
+
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         """Create a regular file or a directory (by `mode`) named `name` in `parent`."""
         check_name(name)
+        self._check_room()
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise fail(errno.EPERM)
         now = time.time_ns()
