@@ -514,15 +514,22 @@ class Soak:
         return log
 
     def kill_workers(self) -> None:
+        for pid in self.end_workers():
+            self.error("workers", f"worker {pid} did not die")
+
+    def end_workers(self) -> list[int]:
+        """Kill every worker still running; returns the pids that would not die."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
+        stuck = []
         for proc in self.procs:
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.error("workers", f"worker {proc.pid} did not die")
+                stuck.append(proc.pid)
         self.procs.clear()
+        return stuck
 
     def wait_workers(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -808,15 +815,8 @@ class Soak:
     def cleanup(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.console.print(f"[red]worker {proc.pid} would not die[/red]")
-        self.procs.clear()
+        for stuck in self.end_workers():
+            self.console.print(f"[red]worker {stuck} would not die[/red]")
         pid = self.pid or lock_pid(self.data)
         if pid and pid_alive(pid):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False,
