@@ -129,8 +129,9 @@ class BlockCache:
         while len(self._free) < count and self._blocks:
             (blob_id, index), (slot, length) = self._blocks.popitem(last=False)
             self._release(blob_id, index, slot, length)
-        taken = self._free[-count:] if count <= len(self._free) else self._free[:]
-        del self._free[len(self._free) - len(taken):]
+        split = max(0, len(self._free) - count)
+        taken = self._free[split:]
+        del self._free[split:]
         return taken
 
     def _release(self, blob_id: int, index: int, slot: memoryview, length: int) -> None:

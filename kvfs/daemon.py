@@ -112,14 +112,20 @@ def open_metadata(config: MountConfig) -> MetaStore:
 def recover(meta: MetaStore, data: DataStore) -> None:
     """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed data."""
     published, discarded = data.recover(meta.is_committed_blob)
+    unlinks = finish_unlinks(meta, data)
+    if published or discarded or unlinks:
+        log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
+                 published, discarded, unlinks)
+
+
+def finish_unlinks(meta: MetaStore, data: DataStore) -> int:
+    """Delete the data files of doomed blobs, then their records; returns how many."""
     doomed = meta.doomed()
     for blob_id in doomed:
         data.remove(blob_id)
     meta.reaped(doomed)
     meta.flush_reaped()
-    if published or discarded or doomed:
-        log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
-                 published, discarded, len(doomed))
+    return len(doomed)
 
 
 def setup_logging(config: MountConfig) -> None:

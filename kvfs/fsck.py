@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from kvfs.daemon import MountError, lock_volume, recover
+from kvfs.daemon import MountError, finish_unlinks, lock_volume, recover
 from kvfs.data import DataStore
 from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore
 
@@ -120,7 +120,7 @@ class Checker:
                 if repair:
                     self.meta.drop_file(inode.ino)
         if repair:
-            self._finish_unlinks()
+            finish_unlinks(self.meta, self.data)
 
     def _check_orphan_data(self, blobs: dict[int, BlobInfo], repair: bool) -> None:
         known = set(self.meta.doomed()) | {blob.blob_id for blob in self.meta.blobs()}
@@ -135,13 +135,6 @@ class Checker:
                 self.report(f"orphaned data file {entry.path} ({entry.stat().st_size} bytes)")
                 if repair:
                     os.unlink(entry.path)
-
-    def _finish_unlinks(self) -> None:
-        doomed = self.meta.doomed()
-        for blob_id in doomed:
-            self.data.remove(blob_id)
-        self.meta.reaped(doomed)
-        self.meta.flush_reaped()
 
     def _check_counters(self, repair: bool) -> None:
         self.used = sum(blob.size for blob in self.meta.blobs())

@@ -214,12 +214,9 @@ class KvfsOperations(pyfuse3.Operations):
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
-                                    flags)
-        moved = self.meta.lookup(parent_inode_new, name_new)
-        if moved is not None:
-            self.files.temp_names.renamed(parent_inode_old, name_old, moved.ino,
-                                          tgid_of(ctx.pid))
+        moved, replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new,
+                                           name_new, flags)
+        self.files.temp_names.renamed(parent_inode_old, name_old, moved.ino, tgid_of(ctx.pid))
         if replaced is not None:
             self.files.unlinked(replaced)
 

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import count
+from typing import TypeVar
 
 import trio
 
@@ -38,6 +39,7 @@ from kvfs.tempnames import SharedTempNames, tgid_of
 log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -127,7 +129,7 @@ class FileTable:
             self.truncate(handle, 0)
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
-        if not keep and fd is not None:
+        if not (writable or keep) and fd is not None:
             self.data.will_read(fd)  # the kernel's pages are not there: reads will come here
         if writable or contended or (first_read and not keep):
             if not writable:
@@ -233,21 +235,14 @@ class FileTable:
         staged = self._staged(handle)
         if handle.append:
             offset = staged.size
-        before = self._reserve(staged, staged.physical_after_write(offset, len(data)))
-        try:
-            written = staged.write(offset, data)
-        finally:
-            self.space.inflight += staged.physical - before
+        written = self._change(staged, staged.physical_after_write(offset, len(data)),
+                               lambda: staged.write(offset, data))
         self.stats.bytes_written += written
         return written
 
     def truncate(self, handle: Handle, size: int) -> None:
         staged = self._staged(handle)
-        before = self._reserve(staged, size)
-        try:
-            staged.truncate(size)
-        finally:
-            self.space.inflight += staged.physical - before
+        self._change(staged, size, lambda: staged.truncate(size))
 
     async def truncate_path(self, inode: Inode, size: int) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once."""
@@ -266,10 +261,15 @@ class FileTable:
                                        handle.blob)
         return handle.staged
 
-    def _reserve(self, staged: StagedFile, physical_after: int) -> int:
-        """Make room for the growth (or ENOSPC); returns the staged bytes before the change."""
-        self.space.reserve(physical_after - staged.physical)
-        return staged.physical
+    def _change(self, staged: StagedFile, physical_after: int, change: Callable[[], T]) -> T:
+        """Make room for what `change` will add to the staged file (or ENOSPC), run it, and
+        account for what it really added."""
+        before = staged.physical
+        self.space.reserve(physical_after - before)
+        try:
+            return change()
+        finally:
+            self.space.inflight += staged.physical - before
 
     def flush(self, handle: Handle) -> bool:
         """Commit what this handle wrote: one metadata transaction makes it visible whole.

@@ -435,8 +435,9 @@ class MetaStore:
         return inode
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int) -> Inode | None:
-        """Move an entry, atomically replacing a compatible target; returns the replaced inode."""
+               flags: int) -> tuple[Inode, Inode | None]:
+        """Move an entry, atomically replacing a compatible target; returns the moved inode
+        and the replaced one (if any)."""
         check_name(old_name)
         check_name(new_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
@@ -458,10 +459,10 @@ class MetaStore:
                 if target.is_dir and self._is_ancestor(txn, target.ino, old_parent):
                     raise fail(errno.EINVAL)
                 self._exchange(txn, moved, target, now)
-                return None
+                return moved, None
             if target is not None:
                 if target.ino == moved.ino:
-                    return None
+                    return moved, None
                 if flags & RENAME_NOREPLACE:
                     raise fail(errno.EEXIST)
                 self._check_replaceable(txn, moved, target)
@@ -473,11 +474,11 @@ class MetaStore:
             self._link(txn, new_parent, new_name, moved.ino)
             self._count_model(txn, moved, old_name, -1, -moved.size)
             self._count_model(txn, moved, new_name, 1, moved.size)
-            self._put(txn, replace(self._get(txn, moved.ino), parent=new_parent, name=new_name,
-                                   ctime_ns=now))
+            moved = replace(moved, parent=new_parent, name=new_name, ctime_ns=now)
+            self._put(txn, moved)
             self._adjust_parent(txn, old_parent, -moved.is_dir, now)
             self._adjust_parent(txn, new_parent, moved.is_dir, now)
-        return target
+        return moved, target
 
     def _check_replaceable(self, txn: lmdb.Transaction, moved: Inode, target: Inode) -> None:
         if moved.is_dir and not target.is_dir:
