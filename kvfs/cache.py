@@ -21,8 +21,9 @@ from collections import OrderedDict
 
 import trio
 
-from kvfs.data import BLOCK_SIZE, ChecksumError, DataStore
+from kvfs.data import BLOCK_SIZE, DataStore
 from kvfs.meta import BlobInfo
+from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,10 @@ VOLUME_READERS = 2  # readahead runs loading at once; a reader's own block never
 
 
 class BlockCache:
-    def __init__(self, data: DataStore, capacity: int = DEFAULT_CACHE_BYTES,
+    def __init__(self, data: DataStore, stats: Stats, capacity: int = DEFAULT_CACHE_BYTES,
                  readahead: int = DEFAULT_READAHEAD_BYTES, run: int = RUN_BYTES) -> None:
         self.data = data
+        self.stats = stats
         slots = max(4, capacity // BLOCK_SIZE)
         self.capacity = slots * BLOCK_SIZE
         self.readahead = min(readahead, self.capacity // 2)
@@ -151,14 +153,15 @@ class BlockCache:
 
     async def _load_in_order(self, fd: int, info: BlobInfo,
                              runs: list[tuple[int, list[memoryview], trio.Event]]) -> None:
-        """Readahead: load runs one after another; on a failure the rest are given up and
-        left to the readers that need them (who then get the error themselves)."""
+        """Readahead: load runs one after another; on a failure the rest are given up (their
+        waiters woken) and left to the readers that need them, who then get the error."""
         try:
             for position, (block, slots, event) in enumerate(runs):
                 try:
                     await self._run(fd, info, block, slots, event, self._limiter)
-                except ChecksumError as error:
-                    log.debug("readahead stopped: %s", error)
+                except Exception as error:  # the reader that needs the block meets it itself
+                    self.stats.readahead_errors += 1
+                    log.warning("readahead of blob %016x stopped: %s", info.blob_id, error)
                     for later in runs[position + 1:]:
                         self._settle(info, *later, loaded=False)
                     return

@@ -74,7 +74,7 @@ class ControlFiles:
         is_dir = ino == CONTROL_DIR_INO
         mode = stat.S_IFDIR | 0o555 if is_dir else stat.S_IFREG | 0o444
         now = time.time_ns()
-        return Inode(ino, mode, 2 if is_dir else 1, 0, 0, 0, now, now, self.started_ns,
+        return Inode(ino, mode, 2 if is_dir else 1, 0, 0, 0, 0, 0, now, now, self.started_ns,
                      ROOT_INO if is_dir else CONTROL_DIR_INO, 0, 0,
                      CONTROL_DIR if is_dir else STATS_NAME)
 

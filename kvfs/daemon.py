@@ -24,7 +24,7 @@ from kvfs.control import snapshot
 from kvfs.data import DataStore
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.handles import FileTable
-from kvfs.meta import DEFAULT_MAP_SIZE, Inode, MetaStore
+from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
 from kvfs.space import Space
@@ -156,20 +156,20 @@ class Daemon:
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, is_open=self._is_open,
                            on_evicted=self._evicted)
-        self.cache = BlockCache(self.data, config.cache_bytes, config.readahead_bytes)
+        self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
+                                config.readahead_bytes)
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
-                               on_dropped=self.notifier.entry_removed)
+                               on_attributes_changed=self.notifier.attributes_changed,
+                               on_removed=self.notifier.names_removed)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier)
-        if not self.space.trim():  # the capacity may have shrunk since the last mount
-            log.warning("pinned files alone exceed the capacity")
 
     def _is_open(self, ino: int) -> bool:
         return self.files.is_open(ino)
 
-    def _evicted(self, inode: Inode) -> None:
-        self.files.unlinked(inode)
-        self.notifier.entry_removed(inode)
+    def _evicted(self, removed: Removed) -> None:
+        self.files.removed(removed)
+        self.notifier.names_removed(removed)
 
     def mount(self) -> None:
         options = set(pyfuse3.default_options)
@@ -200,7 +200,8 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
-            nursery.start_soon(self.space.run)
+            nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
+            nursery.start_soon(self.files.run_reaper)
             self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -219,7 +220,7 @@ class Daemon:
     def close(self) -> None:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
-        self.space.flush_uses()
+        self.meta.touch(self.space.take_uses())
         self.meta.flush_reaped()
         self.meta.env.sync(True)
         self.meta.close()

@@ -6,8 +6,15 @@ Layout under the data directory:
     staging/<id as 16 hex>                        content being written by an open handle
 
 A writer fills a staging file; committing publishes it (rename into blobs/) right after the
-metadata commit that makes it visible. After a crash, `recover` rolls forward staging files the
-metadata already names and deletes the rest, so nothing leaks and no data file is scanned.
+metadata commit that makes it visible. A committed blob whose publication failed stays in
+staging/ (readers find it there) until a later flush, release or recovery publishes it: staged
+data is deleted only while no commit names it. After a crash, `recover` rolls forward staging
+files the metadata already names and deletes the rest, so nothing leaks and no data file is
+scanned.
+
+Files may have holes: extending a file by truncate or by writing past its end allocates
+nothing, and a blob's `allocated` bytes (what the volume holds for it, what the capacity
+counts and `du` shows) can be far less than its size.
 
 Checksums are xxh3-64 per BLOCK_SIZE block, computed as sequential writes stream in (whatever
 their request boundaries; blocks written out of sequence are hashed once at commit) and
@@ -18,16 +25,57 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
 
-from kvfs.meta import BlobInfo
+from kvfs.meta import BlobInfo, fail
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
+MAX_FILE_SIZE = 1 << 44  # 16 TiB, as ext4 with 4 KiB blocks: larger sizes get EFBIG
+ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
+
+
+def data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) ranges of a file below `size` that hold data: everything else is a
+    hole (reads as zeros, takes no room)."""
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as error:
+            if error.errno == errno.ENXIO:  # only a hole is left
+                return
+            raise
+        if start >= size:
+            return
+        position = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, position
+
+
+@functools.cache
+def zero_sum(length: int) -> int:
+    """The checksum of a block that lies in a hole."""
+    return xxhash.xxh3_64_intdigest(bytes(length))
+
+
+def block_length(size: int, block: int) -> int:
+    return min(BLOCK_SIZE, size - block * BLOCK_SIZE)
+
+
+def check_file_size(size: int) -> None:
+    if size > MAX_FILE_SIZE:
+        raise fail(errno.EFBIG)
+
+
+def allocated_bytes(fd: int, size: int) -> int:
+    """Bytes a file takes on the volume, not counting preallocation past its end (XFS)."""
+    rounded = -(-size // ALLOCATION_UNIT) * ALLOCATION_UNIT
+    return min(os.fstat(fd).st_blocks * 512, rounded)
 
 
 class ChecksumError(Exception):
@@ -59,7 +107,11 @@ class DataStore:
         _unlink_quietly(self.staging_path(blob_id))
 
     def open_blob(self, blob_id: int) -> int:
-        return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        """Open a committed blob: published, or still in staging/ if publishing failed."""
+        try:
+            return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return os.open(self.staging_path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
 
     @staticmethod
     def will_read(fd: int) -> None:
@@ -68,8 +120,10 @@ class DataStore:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
     def remove(self, blob_id: int) -> None:
-        """Delete a blob file; handles that have it open keep reading it until they close."""
+        """Delete a blob file (also an unpublished one); handles that have it open keep
+        reading it until they close."""
         _unlink_quietly(self.path(blob_id))
+        _unlink_quietly(self.staging_path(blob_id))
 
     def recover(self, is_committed: Callable[[int], bool]) -> tuple[int, int]:
         """Finish or discard what a crash left in staging/; returns (published, discarded)."""
@@ -112,12 +166,17 @@ class DataStore:
         except FileNotFoundError:
             return "data file missing"
         try:
-            blocks = len(info.sums)
-            buffers = [bytearray(info.block_size) for _ in range(16)]
-            for first in range(0, blocks, len(buffers)):
-                self.read_blocks(fd, info, first, buffers[: blocks - first])
             if os.fstat(fd).st_size != info.size:
                 return f"data file has {os.fstat(fd).st_size} bytes, expected {info.size}"
+            with_data = {block for start, end in data_ranges(fd, info.size)
+                         for block in range(start // info.block_size,
+                                            (end - 1) // info.block_size + 1)}
+            buffer = [bytearray(info.block_size)]
+            for block, digest in enumerate(info.sums):
+                if block in with_data:
+                    self.read_blocks(fd, info, block, buffer)
+                elif digest != zero_sum(block_length(info.size, block)):
+                    return f"block {block} is a hole but its checksum is not that of zeros"
         except ChecksumError as error:
             return str(error)
         finally:
@@ -129,7 +188,11 @@ class StagedFile:
     """The private new content of one write handle, based (lazily) on a committed blob.
 
     The base is copied only when a write needs it: LMCache's pattern (open, one write of the
-    whole chunk from offset 0) never copies."""
+    whole chunk from offset 0) never copies. Its holes stay holes.
+
+    Commit is a small state machine that can be retried: `finish` hashes the content (again,
+    if written to since), the metadata commit names the blob (`committed`), publishing moves
+    it into blobs/ (`published`). Once committed, the staged file is never deleted here."""
 
     def __init__(self, store: DataStore, blob_id: int, base_fd: int | None,
                  base: BlobInfo | None) -> None:
@@ -137,41 +200,55 @@ class StagedFile:
         self.blob_id = blob_id
         self.fd = store.create_staging(blob_id)
         self.size = base.size if base is not None else 0  # logical size of the new content
+        self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
+        self.committed = False
+        self.published = False
+        self._finished: BlobInfo | None = None
         self._base = (base_fd, base) if base_fd is not None and base is not None else None
         # Sequential writes are hashed as they stream in, across request boundaries: the
         # hasher holds the block being filled, up to _stream_end (None: not streaming).
         self._hasher = xxhash.xxh3_64()
         self._stream_end: int | None = 0
 
-    @property
-    def physical(self) -> int:
-        """Bytes this staged file holds on the volume (the base is not copied yet)."""
-        return 0 if self._base is not None else self.size
+    def growth_bound(self, offset: int, length: int) -> int:
+        """The most bytes a write can add on the volume (what must be reserved first)."""
+        check_file_size(offset + length)
+        base = self._base[1].allocated if self._base and not self._replaces_base(
+            offset, length) else 0
+        return base + length + ALLOCATION_UNIT
 
-    def physical_after_write(self, offset: int, length: int) -> int:
-        if self._base is not None and not self._replaces_base(offset, length):
-            return max(self.size, offset + length)
-        return max(self.physical, offset + length)
+    def truncate_growth_bound(self, size: int) -> int:
+        """Growing by truncate makes a hole; only a base copy takes room."""
+        check_file_size(size)
+        return self._base[1].allocated if self._base and size else 0
 
     def _replaces_base(self, offset: int, length: int) -> bool:
         return offset == 0 and length >= self.size
 
     def _materialize(self) -> None:
-        """Copy the base content in, on the first change that keeps part of it."""
+        """Copy the base content in (its data, not its holes), on the first change that
+        keeps part of it."""
         if self._base is None:
             return
         base_fd, base = self._base
         self._base = None
-        copied = 0
-        while copied < base.size:
-            done = os.copy_file_range(base_fd, self.fd, base.size - copied, copied, copied)
-            if done == 0:
-                raise OSError(errno.EIO, "base blob shorter than recorded")
-            copied += done
+        for start, end in data_ranges(base_fd, base.size):
+            while start < end:
+                done = os.copy_file_range(base_fd, self.fd, end - start, start, start)
+                if done == 0:
+                    raise OSError(errno.EIO, "base blob shorter than recorded")
+                start += done
+        os.ftruncate(self.fd, base.size)
         self.sums = dict(enumerate(base.sums))
+        self._measure()
+
+    def _measure(self) -> None:
+        self.physical = allocated_bytes(self.fd, self.size)
+        self._finished = None
 
     def write(self, offset: int, data: bytes) -> int:
+        check_file_size(offset + len(data))
         if self._base is not None and self._replaces_base(offset, len(data)):
             self._base = None
         self._materialize()
@@ -186,6 +263,7 @@ class StagedFile:
         if self._stream_end is not None:
             self._stream(memoryview(data)[:written], offset)
         self.size = max(self.size, end)
+        self._measure()
         return written
 
     def _grow(self, position: int) -> None:
@@ -207,6 +285,7 @@ class StagedFile:
         self._stream_end = offset + len(data)
 
     def truncate(self, size: int) -> None:
+        check_file_size(size)
         if size == 0:
             self._base = None
         self._materialize()
@@ -219,31 +298,50 @@ class StagedFile:
             self._hasher.reset()
             self._stream_end = size if size % BLOCK_SIZE == 0 else None
         self.size = size
+        self._measure()
 
     def read(self, offset: int, size: int) -> bytes:
         self._materialize()
         return os.pread(self.fd, size, offset)
 
     def finish(self, ino: int) -> BlobInfo:
-        """Hash what was not hashed while streaming, flush if asked; the blob is final."""
+        """Hash what was not hashed while streaming, flush if asked; the blob is final.
+        Idempotent until the next change."""
+        if self._finished is not None:
+            return self._finished
         self._materialize()
         blocks = -(-self.size // BLOCK_SIZE)
         if self._stream_end == self.size and self.size % BLOCK_SIZE:
             self.sums[blocks - 1] = self._hasher.intdigest()  # the stream's partial last block
-        sums = array("Q", bytes(8 * blocks))
-        for block in range(blocks):
-            digest = self.sums.get(block)
-            if digest is None:
-                start = block * BLOCK_SIZE
-                data = os.pread(self.fd, min(BLOCK_SIZE, self.size - start), start)
-                digest = xxhash.xxh3_64_intdigest(data)
+        sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks  # holes, unless data says else
+        if blocks:
+            sums[-1] = zero_sum(block_length(self.size, blocks - 1))
+        for start, end in data_ranges(self.fd, self.size):
+            for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+                if block not in self.sums:
+                    data = os.pread(self.fd, block_length(self.size, block), block * BLOCK_SIZE)
+                    self.sums[block] = xxhash.xxh3_64_intdigest(data)
+        for block, digest in self.sums.items():
             sums[block] = digest
         if self.store.fsync:
             os.fdatasync(self.fd)
-        return BlobInfo(self.blob_id, ino, self.size, BLOCK_SIZE, sums)
+        self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums)
+        return self._finished
+
+    def publish(self) -> None:
+        if not self.published:
+            self.store.publish(self.blob_id)
+            self.published = True
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def discard(self) -> None:
+        """Close; delete the staged data unless a commit names it (then recovery or a
+        later flush publishes it)."""
+        self.close()
+        if not self.committed:
+            self.store.discard_staging(self.blob_id)
 
 
 def _unlink_quietly(path: Path) -> None:

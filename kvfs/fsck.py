@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from kvfs.daemon import MountError, finish_unlinks, lock_volume, recover
 from kvfs.data import DataStore
-from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore
+from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore, recount
 
 
 class FsckError(Exception):
@@ -92,7 +92,7 @@ class Checker:
         for ino in inodes.keys() - linked:
             self.report(f"inode {ino} ({inodes[ino].name!r}) is in no directory")
             if repair:
-                self.meta.drop_file(ino)
+                self.meta.drop_files([ino])
             del inodes[ino]
 
     def _check_blobs(self, inodes: dict[int, Inode], blobs: dict[int, BlobInfo],
@@ -102,7 +102,7 @@ class Checker:
             inode = owned.pop(blob_id)
             self.report(f"{inode.name!r} (inode {inode.ino}) has no record of its data")
             if repair:
-                self.meta.drop_file(inode.ino)
+                self.meta.drop_files([inode.ino])
         for blob_id in blobs.keys() - owned.keys():
             self.report(f"data record {blob_id:016x} belongs to no file")
             if repair:
@@ -118,7 +118,7 @@ class Checker:
                     continue
                 self.report(f"{inode.name!r} (inode {inode.ino}): {damage}")
                 if repair:
-                    self.meta.drop_file(inode.ino)
+                    self.meta.drop_files([inode.ino])
         if repair:
             finish_unlinks(self.meta, self.data)
 
@@ -137,14 +137,16 @@ class Checker:
                     os.unlink(entry.path)
 
     def _check_counters(self, repair: bool) -> None:
-        self.used = sum(blob.size for blob in self.meta.blobs())
-        self.files = sum(1 for inode in self.meta.inodes() if not inode.is_dir)
+        self.used, self.files, models = recount(self.meta)
         usage = self.meta.usage()
         if (usage.used, usage.files) != (self.used, self.files):
             self.report(f"usage counters say {usage.used} bytes in {usage.files} files, "
                         f"counted {self.used} bytes in {self.files} files")
-            if repair:
-                self.meta.set_usage(self.used, self.files)
+        if self.meta.models() != models:
+            self.report(f"per-model usage says {self.meta.models()}, counted {models}")
+        if repair and ((usage.used, usage.files) != (self.used, self.files)
+                       or self.meta.models() != models):
+            self.meta.set_usage(self.used, self.files, models)
 
 
 def _progress(console: Console) -> Progress:

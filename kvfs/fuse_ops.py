@@ -1,7 +1,9 @@
 """The FUSE layer: translates kernel requests into metadata-store and file-table calls.
 
-Every handler is guarded: OSError becomes FUSEError with its errno, anything unexpected is
-logged with its traceback and answered with EIO, so no request can end the daemon.
+Every handler is guarded: kvfs's own refusals (FsError) become FUSEError with their errno;
+errors of the volume underneath are logged, counted and passed on (EIO for any errno a caller
+could mistake for a namespace answer); anything unexpected is logged with its traceback and
+answered with EIO, so no request can end the daemon.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyfuse3
+import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import FileTable
-from kvfs.meta import NAME_MAX, Inode, MetaStore
+from kvfs.meta import NAME_MAX, FsError, Inode, MetaStore, Removed
 from kvfs.space import Space
 from kvfs.stats import Stats
-from kvfs.tempnames import tgid_of
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ ENTRY_TIMEOUT = 1.0
 NEGATIVE_TIMEOUT = 30.0
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
+VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
 def guarded(method: Callable) -> Callable:
@@ -47,8 +50,13 @@ def guarded(method: Callable) -> Callable:
             return await method(self, *args)
         except FUSEError:
             raise
+        except FsError as error:
+            raise FUSEError(error.errno) from None
         except OSError as error:
-            raise FUSEError(error.errno or errno.EIO) from None
+            self.stats.volume_errors += 1
+            log.warning("%s%r: volume error: %s", method.__name__, args[:3], error)
+            passed = error.errno if error.errno in VOLUME_ERRNOS else errno.EIO
+            raise FUSEError(passed) from None
         except Exception:
             self.stats.handler_errors += 1
             log.exception("%s%r failed", method.__name__, args[:3])
@@ -85,8 +93,10 @@ class KernelNotifier:
     def attributes_changed(self, ino: int) -> None:
         self._queue.put(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
 
-    def entry_removed(self, inode: Inode) -> None:
-        self._queue.put(lambda: pyfuse3.invalidate_entry(inode.parent, inode.name, inode.ino))
+    def names_removed(self, removed: Removed) -> None:
+        for parent, name in removed.names:
+            self._queue.put(lambda parent=parent, name=name: pyfuse3.invalidate_entry(
+                parent, name, removed.inode.ino))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -100,9 +110,10 @@ def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttri
     entry.st_nlink = inode.nlink
     entry.st_uid = inode.uid
     entry.st_gid = inode.gid
+    entry.st_rdev = inode.rdev
     entry.st_size = inode.size
     entry.st_blksize = BLOCK_SIZE
-    entry.st_blocks = -(-inode.size // 512)
+    entry.st_blocks = inode.allocated // 512
     entry.st_atime_ns = inode.atime_ns
     entry.st_mtime_ns = inode.mtime_ns
     entry.st_ctime_ns = inode.ctime_ns
@@ -152,12 +163,6 @@ class KvfsOperations(pyfuse3.Operations):
             return entry_attributes(control)
         inode = self.meta.lookup(parent_inode, name)
         if inode is None:
-            moved = self.files.temp_names.moved(parent_inode, name, ctx.pid)
-            if moved is not None:
-                # A writer sharing this temp name is about to rename it: it finds its file
-                # (already renamed by another writer: the kernel sees a rename onto itself,
-                # which succeeds). Not cached, so nobody else sees the name for long.
-                return entry_attributes(self.files.attributes(moved), timeout=0.0)
             self.stats.lookup_misses += 1
             return negative_entry()
         self.stats.lookup_hits += 1
@@ -174,9 +179,9 @@ class KvfsOperations(pyfuse3.Operations):
         if fields.update_size:
             handle = self.files.handle(fh) if fh is not None else None
             if handle is not None and handle.writable:
-                self.files.truncate(handle, attr.st_size)
+                await self.files.truncate(handle, attr.st_size)
             else:
-                await self.files.truncate_path(self.meta.get(inode), attr.st_size)
+                await self.files.truncate_path(self.meta.get(inode), attr.st_size, ctx.uid)
                 self.notifier.attributes_changed(inode)
         changed = {
             "mode": attr.st_mode if fields.update_mode else None,
@@ -191,10 +196,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
+        """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        if not stat.S_ISREG(mode):
-            raise FUSEError(errno.EPERM)  # fifos, sockets and devices have no place here
-        return entry_attributes(self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return entry_attributes(self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid,
+                                               rdev=rdev))
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
@@ -205,7 +210,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.unlinked(self.meta.remove(parent_inode, name, is_dir=False))
+        self.files.removed(self.meta.remove(parent_inode, name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
@@ -214,22 +219,28 @@ class KvfsOperations(pyfuse3.Operations):
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        moved, replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new,
-                                           name_new, flags)
-        self.files.temp_names.renamed(parent_inode_old, name_old, moved.ino, tgid_of(ctx.pid))
+        _, replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new,
+                                       name_new, flags)
         if replaced is not None:
-            self.files.unlinked(replaced)
+            self.files.removed(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
-        raise FUSEError(errno.EPERM)
+        self._refuse_control((parent_inode, name))
+        return entry_attributes(self.meta.make(parent_inode, name, stat.S_IFLNK | 0o777,
+                                               ctx.uid, ctx.gid, target=target))
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: RequestContext) -> EntryAttributes:
-        raise FUSEError(errno.EPERM)
+        self._refuse_control((new_parent_inode, new_name))
+        if self.control.owns(inode):
+            raise FUSEError(errno.EPERM)
+        return entry_attributes(self.meta.link(inode, new_parent_inode, new_name))
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
-        raise FUSEError(errno.EINVAL)
+        if self.control.owns(inode):
+            raise FUSEError(errno.EINVAL)
+        return self.meta.readlink(inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, _ in inode_list:
@@ -243,8 +254,8 @@ class KvfsOperations(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        for name, inode in self.meta.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
+        for name, inode, cookie in self.meta.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), cookie):
                 return
         for name, inode in self.control.entries(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
@@ -271,15 +282,14 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
-        self.files.temp_names.created(parent_inode, name)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC, ctx.pid)
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC, ctx.uid)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
                         keep_cache=opened.keep_cache), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(self.meta.get(inode), flags, ctx.pid)
+        opened = await self.files.open(self.meta.get(inode), flags, ctx.uid)
         return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -288,13 +298,13 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.files.read(fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return self.files.write(fh, off, buf)
+        return await self.files.write(fh, off, buf)
 
     async def flush(self, fh: int) -> None:
         if self.control.owns_handle(fh):
             return
         handle = self.files.handle(fh)
-        if self.files.flush(handle):
+        if await self.files.flush(handle):
             self.notifier.attributes_changed(handle.ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -302,13 +312,13 @@ class KvfsOperations(pyfuse3.Operations):
             return
         handle = self.files.handle(fh)
         if handle.staged is not None:
-            os.fdatasync(handle.staged.fd)
+            await trio.to_thread.run_sync(os.fdatasync, handle.staged.fd)
 
     async def release(self, fh: int) -> None:
         if self.control.owns_handle(fh):
             self.control.release(fh)
         else:
-            self.files.release(fh)
+            await self.files.release(fh)
 
     # -- extended attributes -------------------------------------------------------------
 

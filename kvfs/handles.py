@@ -1,8 +1,10 @@
-"""Open files: snapshot readers, staged writers, commit on close, and page-cache policy.
+"""Open files: snapshot readers, staged writers, commit on close, page-cache policy, and the
+retirement of files that lost their last name.
 
 Close-to-open isolation: a read handle reads the blob the inode pointed at when it was opened;
 a write handle fills a private staged blob that its flush (close) commits in one metadata
 transaction. Concurrent writers of one name each have their own blob; the last to close wins.
+Hashing, the metadata commit and publishing run in worker threads: requests keep flowing.
 
 Page cache: the first read of a version bypasses the kernel page cache (direct_io): the kernel
 then sends a whole chunk's requests at once, so they are answered as the volume delivers,
@@ -15,6 +17,10 @@ another handle of the same inode reads a different version.
 The kernel keeps one size and one page cache per inode, and a writer's open (O_TRUNC) and
 writes change them for every handle. So a writer of a file that page-cache readers have open
 waits (up to WRITER_WAIT_SECONDS) for them to close, and stat shows the committed size only.
+
+Retiring: a file whose last name went (unlink, rename over it, eviction, lost data) keeps
+serving its open handles; its blob is doomed in the same metadata transaction and its data
+file deleted by the reaper, in a worker thread, off the request loop.
 """
 
 from __future__ import annotations
@@ -22,23 +28,24 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import count
 from typing import TypeVar
 
 import trio
 
 from kvfs.cache import BlockCache
-from kvfs.data import ChecksumError, DataStore, StagedFile
-from kvfs.meta import BlobInfo, Inode, MetaStore, fail
+from kvfs.data import ChecksumError, DataStore, StagedFile, check_file_size
+from kvfs.meta import BlobInfo, FsError, Inode, MetaStore, Removed, fail
 from kvfs.space import Space
 from kvfs.stats import Stats
-from kvfs.tempnames import SharedTempNames, tgid_of
 
 log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
+BLOB_ID_BATCH = 256
 T = TypeVar("T")
 
 
@@ -53,7 +60,8 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
-    process: int = 0  # of a writer: who opened it (see tempnames)
+    kill_privs: bool = False  # a writer without CAP_FSETID: its writes clear setuid/setgid
+    lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
 
 
 @dataclass(eq=False)
@@ -75,21 +83,33 @@ class Opened:
     keep_cache: bool
 
 
+def privileges_to_clear(mode: int) -> int:
+    """What a write by an unprivileged process clears: setuid, and setgid when group-exec."""
+    bits = mode & stat.S_ISUID
+    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+        bits |= stat.S_ISGID
+    return bits
+
+
 class FileTable:
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
-                 space: Space, on_dropped: Callable[[Inode], None]) -> None:
+                 space: Space, on_attributes_changed: Callable[[int], None],
+                 on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
         self.data = data
         self.cache = cache
         self.stats = stats
         self.space = space
-        self.on_dropped = on_dropped  # tell the kernel a file vanished (corrupt data)
+        self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
+        self.on_removed = on_removed  # tell the kernel names vanished (eviction, lost data)
         self._handles: dict[int, Handle] = {}
         self._open: dict[int, OpenInode] = {}
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
         self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
-        self.temp_names = SharedTempNames()
         self._next_fh = count(1)
+        self._blob_ids: range = range(0)
+        self._doomed: list[int] = []  # blobs whose data files the reaper deletes
+        self._reap_wanted = trio.Event()
 
     # -- attributes ----------------------------------------------------------------------
 
@@ -103,21 +123,18 @@ class FileTable:
 
     # -- open / close --------------------------------------------------------------------
 
-    async def open(self, inode: Inode, flags: int, pid: int) -> Opened:
+    async def open(self, inode: Inode, flags: int, uid: int) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
-            inode = await self.truncate_path(inode, 0)
+            inode = await self.truncate_path(inode, 0, uid)
         if writable and await self._wait_for_page_cache_readers(inode.ino):
             inode = self.meta.get(inode.ino)  # it may have changed meanwhile
         blob = self.meta.blob(inode.blob) if inode.blob else None
         fd = self._open_blob(inode, blob)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
-                        inode.version, blob, fd)
-        if writable:
-            handle.process = tgid_of(pid)
-            self.temp_names.writer_opened(inode.ino, handle.process)
+                        inode.version, blob, fd, kill_privs=writable and uid != 0)
         self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
@@ -126,7 +143,7 @@ class FileTable:
         state.handles.add(handle)
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
-            self.truncate(handle, 0)
+            await self.truncate(handle, 0)
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
         if not (writable or keep) and fd is not None:
@@ -164,6 +181,8 @@ class FileTable:
         try:
             return self.data.open_blob(blob.blob_id)
         except FileNotFoundError:
+            if not self.meta.is_committed_blob(blob.blob_id):
+                raise fail(errno.ENOENT) from None  # evicted or replaced just now
             self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None
 
@@ -173,12 +192,10 @@ class FileTable:
             raise fail(errno.EBADF)
         return handle
 
-    def release(self, fh: int) -> None:
+    async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
-        if handle.writable:
-            self.temp_names.writer_closed(handle.ino, handle.process)
         try:
-            self.flush(handle)
+            await self.flush(handle)
         finally:
             self._discard_staged(handle)
             if handle.fd is not None:
@@ -196,11 +213,17 @@ class FileTable:
         self._cached_version.pop(ino, None)
         self._read_directly.pop(ino, None)
 
-    def unlinked(self, inode: Inode) -> None:
-        """An entry was removed or replaced: keep serving open handles, free its blob."""
+    # -- retiring ------------------------------------------------------------------------
+
+    def removed(self, removed: Removed) -> None:
+        """Names went (unlink, rename over, eviction, lost data): once the inode has none
+        left, keep serving its open handles and doom its blob."""
+        if not removed.gone:
+            return
+        inode = removed.inode
         state = self._open.get(inode.ino)
         if state is not None:
-            state.inode = replace(inode, nlink=0)
+            state.inode = inode
             state.unlinked = True
         self._cached_version.pop(inode.ino, None)
         self._read_directly.pop(inode.ino, None)
@@ -208,9 +231,27 @@ class FileTable:
 
     def free_blob(self, blob_id: int) -> None:
         if blob_id:
-            self.data.remove(blob_id)
             self.cache.drop_blob(blob_id)
-            self.meta.reaped([blob_id])
+            self._doomed.append(blob_id)
+            self._reap_wanted.set()
+
+    async def run_reaper(self) -> None:
+        """Background: delete the data files of doomed blobs in a worker thread."""
+        while True:
+            await self._reap_wanted.wait()
+            self._reap_wanted = trio.Event()
+            doomed, self._doomed = self._doomed, []
+            try:
+                await trio.to_thread.run_sync(self._reap, doomed)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("deleting %d data files failed; recovery retries them",
+                              len(doomed))
+
+    def _reap(self, doomed: list[int]) -> None:
+        for blob_id in doomed:
+            self.data.remove(blob_id)
+        self.meta.reaped(doomed)
 
     # -- data ----------------------------------------------------------------------------
 
@@ -230,82 +271,125 @@ class FileTable:
         self.stats.bytes_read += len(data)
         return data
 
-    def write(self, fh: int, offset: int, data: bytes) -> int:
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handle(fh)
-        staged = self._staged(handle)
-        if handle.append:
-            offset = staged.size
-        written = self._change(staged, staged.physical_after_write(offset, len(data)),
-                               lambda: staged.write(offset, data))
+        async with handle.lock:
+            staged = self._staged(handle)
+            if handle.append:
+                offset = staged.size
+            written = await self._change(staged, staged.growth_bound(offset, len(data)),
+                                         lambda: staged.write(offset, data))
         self.stats.bytes_written += written
+        if handle.kill_privs:
+            handle.kill_privs = False
+            self._clear_privileges(handle.ino)
         return written
 
-    def truncate(self, handle: Handle, size: int) -> None:
-        staged = self._staged(handle)
-        self._change(staged, size, lambda: staged.truncate(size))
+    def _clear_privileges(self, ino: int) -> None:
+        bits = privileges_to_clear(self.attributes(ino).mode)
+        if bits:
+            self.meta.set_attrs(ino, clear_mode=bits)
+            self.on_attributes_changed(ino)
 
-    async def truncate_path(self, inode: Inode, size: int) -> Inode:
-        """truncate(2) without a handle: a write handle opened, resized and closed at once."""
-        opened = await self.open(inode, os.O_WRONLY, pid=0)
+    async def truncate(self, handle: Handle, size: int) -> None:
+        async with handle.lock:
+            staged = self._staged(handle)
+            await self._change(staged, staged.truncate_growth_bound(size),
+                               lambda: staged.truncate(size))
+
+    async def truncate_path(self, inode: Inode, size: int, uid: int) -> Inode:
+        """truncate(2) without a handle: a write handle opened, resized and closed at once.
+        A size that cannot be had changes nothing (no new version, no eviction)."""
+        check_file_size(size)
+        opened = await self.open(inode, os.O_WRONLY, uid)
+        handle = self._handles[opened.fh]
         try:
-            self.truncate(self._handles[opened.fh], size)
+            await self.truncate(handle, size)
+        except BaseException:
+            self._discard_staged(handle)
+            raise
         finally:
-            self.release(opened.fh)
+            await self.release(opened.fh)
         return self.attributes(inode.ino)
 
     def _staged(self, handle: Handle) -> StagedFile:
         if not handle.writable:
             raise fail(errno.EBADF)
+        if handle.staged is not None and handle.staged.committed:
+            self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            handle.staged = StagedFile(self.data, self.meta.allocate_blob_id(), handle.fd,
-                                       handle.blob)
+            if not self._blob_ids:
+                self._blob_ids = self.meta.allocate_blob_ids(BLOB_ID_BATCH)
+            blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
+            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob)
         return handle.staged
 
-    def _change(self, staged: StagedFile, physical_after: int, change: Callable[[], T]) -> T:
-        """Make room for what `change` will add to the staged file (or ENOSPC), run it, and
-        account for what it really added."""
+    async def _change(self, staged: StagedFile, growth_bound: int,
+                      change: Callable[[], T]) -> T:
+        """Make room for what `change` may add to the staged file (or fail before changing
+        anything), run it, and account for what it really added."""
         before = staged.physical
-        self.space.reserve(physical_after - before)
+        await self.space.reserve(growth_bound)
         try:
             return change()
         finally:
             self.space.inflight += staged.physical - before
 
-    def flush(self, handle: Handle) -> bool:
+    async def flush(self, handle: Handle) -> bool:
         """Commit what this handle wrote: one metadata transaction makes it visible whole.
+        Can be retried after any failure: a committed blob is never committed again nor
+        deleted. Returns whether anything was committed."""
+        async with handle.lock:
+            staged = handle.staged
+            if staged is None:
+                return False
+            if not staged.committed and not await self._commit(handle, staged):
+                return False
+            await trio.to_thread.run_sync(staged.publish)
+            staged.close()
+            handle.staged = None
+            return True
 
-        Returns whether anything was committed."""
-        staged = handle.staged
-        if staged is None:
-            return False
+    async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
         try:
-            blob = staged.finish(handle.ino)
-            inode, old_blob = self.meta.commit_content(handle.ino, blob)
-        except OSError as error:
+            blob, inode, old_blob = await trio.to_thread.run_sync(
+                self._finish_and_commit, handle.ino, staged)
+        except FsError as error:
             if error.errno != errno.ENOENT:
                 raise
             self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
-        self.data.publish(blob.blob_id)
-        self.space.inflight -= staged.physical
-        staged.close()
-        handle.staged = None
+        staged.committed = True
+        self.space.inflight -= staged.physical  # now counted in the metadata's used bytes
         self.free_blob(old_blob)
         # Later writes on this handle start from what it just committed.
         if handle.fd is not None:
             os.close(handle.fd)
+        handle.fd = self.data.open_blob(staged.blob_id)
         handle.blob, handle.version = blob, inode.version
-        handle.fd = self.data.open_blob(blob.blob_id)
         self._open[handle.ino].inode = inode
         self.stats.commits += 1
         return True
 
+    def _finish_and_commit(self, ino: int, staged: StagedFile) -> tuple[BlobInfo, Inode, int]:
+        blob = staged.finish(ino)
+        inode, old_blob = self.meta.commit_content(ino, blob)
+        return blob, inode, old_blob
+
     def _discard_staged(self, handle: Handle) -> None:
-        if handle.staged is not None:
-            self.space.inflight -= handle.staged.physical
-            handle.staged.close()
-            self.data.discard_staging(handle.staged.blob_id)
-            handle.staged = None
+        staged = handle.staged
+        if staged is None:
+            return
+        handle.staged = None
+        if staged.committed:
+            try:
+                staged.publish()
+            except OSError as error:  # readers find it in staging/; recovery publishes it
+                self.stats.volume_errors += 1
+                log.error("publishing blob %016x failed: %s", staged.blob_id, error)
+        else:
+            self.space.inflight -= staged.physical
+        staged.discard()
 
     def _drop_damaged(self, inode: Inode, reason: str, blob: BlobInfo | None = None) -> None:
         """Never serve bad bytes: count, log and drop the file so readers see a miss."""
@@ -317,11 +401,11 @@ class FileTable:
             current = None
         if current is None or (blob is not None and current.blob != blob.blob_id):
             return  # already replaced or removed: only this snapshot was bad
-        dropped = self.meta.drop_file(inode.ino)
-        if dropped is not None:
-            self.unlinked(dropped)
-            self.on_dropped(dropped)
+        for removed in self.meta.drop_files([inode.ino]):
+            self.removed(removed)
+            self.on_removed(removed)
 
     def _is_unlinked(self, ino: int) -> bool:
         state = self._open.get(ino)
         return state is not None and state.unlinked
+

@@ -5,25 +5,34 @@ lock.mdb). All integers in keys are 8-byte big-endian so that LMDB's byte order 
 
 Key schema (one named database per family):
 
-    inode    ino                      -> Inode record (struct INODE_FMT, then the entry's name)
-    dentry   parent ino + name        -> child ino             (lookup by name)
-    dirlist  parent ino + child ino   -> name                  (readdir in stable ino order)
+    inode    ino                      -> Inode record (struct _INODE, then its primary name)
+    dentry   parent ino + name        -> child ino + cookie     (lookup by name)
+    dirlist  parent ino + cookie      -> child ino + name       (readdir in stable cookie order)
+    links    ino + parent ino + name  -> b""   (every name of an inode: hard links)
+    symlink  ino                      -> target
     xattr    ino + attribute name     -> value
-    blob     blob id                  -> owner ino, size, block size, xxh3-64 per block
+    blob     blob id                  -> owner ino, size, allocated, block size, xxh3 per block
     doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
     recency  atime ns + ino           -> b""   (files by last use: eviction order)
     pins     ino                      -> b""   (files and directories with user.kvfs.pin)
-    models   model name (utf-8)       -> u64 files + u64 bytes  (LMCache files per model)
-    counters name                     -> u64   (next_ino, next_blob, used_bytes, files, ...)
+    models   model name (utf-8)       -> i64 files + i64 allocated bytes (LMCache files per model)
+    counters name                     -> u64   (next_ino, next_blob, used_bytes, files)
     settings name                     -> bytes (format, capacity)
 
+Every directory entry has a cookie, unique for the volume's life (taken from the inode
+counter), so that readdir resumes after the last cookie it returned and a listing stays
+complete and stable while entries come and go, also with several names of one inode in one
+directory. An inode's primary name (`Inode.parent`, `Inode.name`) is one of its entries: the
+only one of a directory, the first of a file; per-model usage follows it.
+
 An inode's file content is one immutable blob: a write handle fills a new blob and its close
-commits it by pointing the inode at it in one transaction. Readdir resumes after the last
-returned child ino, so a listing stays complete and stable while entries come and go.
+commits it by pointing the inode at it in one transaction. `used_bytes` counts the bytes blobs
+occupy on the volume (holes take none), each blob once however many names its inode has.
 A file's atime is its last use (lookup, open, read; flushed in batches), and `recency` indexes
 files by it so that eviction walks them oldest first without a scan.
 
-Errors are raised as OSError with a precise errno; the FUSE layer passes them through.
+Errors are raised as `FsError` (an OSError) with a precise errno; the FUSE layer passes them
+through.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ import errno
 import stat
 import struct
 import time
+import zlib
 from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import lmdb
@@ -43,20 +53,27 @@ from kvfs.models import model_of
 
 ROOT_INO = 1
 NAME_MAX = 255
+PATH_MAX = 4096
 XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
-FORMAT = b"kvfs-1"
+FORMAT = b"kvfs-2"
+OLD_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
+LINK_MAX = 65000  # as ext4
 
 _U64 = struct.Struct(">Q")
-_INODE = struct.Struct("<IIIIQqqqQQQ")
-_BLOB = struct.Struct("<QQI")
+_INODE = struct.Struct("<IIIIQQQqqqQQQ")
+_BLOB = struct.Struct("<QQQII")
+SUMS_COMPRESSED = 1  # blob record flag: the sums are zlib-compressed (large sparse files)
+SUMS_COMPRESS_FROM = 64 << 10
 _MODEL = struct.Struct("<qq")
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+FAMILIES = ("inode", "dentry", "dirlist", "links", "symlink", "xattr", "blob", "doomed",
+            "recency", "pins", "models", "counters", "settings")
 
 
 def u64(value: int) -> bytes:
@@ -64,11 +81,16 @@ def u64(value: int) -> bytes:
 
 
 def from_u64(raw: bytes) -> int:
-    return _U64.unpack(raw)[0]
+    return _U64.unpack(raw[:8])[0]
 
 
-def fail(code: int) -> OSError:
-    return OSError(code, errno.errorcode.get(code, str(code)))
+class FsError(OSError):
+    """A refusal kvfs answers on purpose (ENOENT, EEXIST, ...), as opposed to an error of the
+    volume underneath: the FUSE layer logs and counts only the latter."""
+
+
+def fail(code: int) -> FsError:
+    return FsError(code, errno.errorcode.get(code, str(code)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +100,14 @@ class Inode:
     nlink: int
     uid: int
     gid: int
+    rdev: int
     size: int
+    allocated: int  # bytes the content takes on the volume (holes take none)
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
-    parent: int
-    blob: int  # 0: no data (empty file or directory)
+    parent: int  # primary name: the directory's only entry, a file's first
+    blob: int  # 0: no data (empty file, directory, special file)
     version: int  # bumped by every content commit: tells page-cache users what changed
     name: bytes
 
@@ -91,41 +115,61 @@ class Inode:
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
 
+    @property
+    def is_regular(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
     def pack(self) -> bytes:
         return (
             _INODE.pack(
-                self.mode, self.nlink, self.uid, self.gid, self.size, self.atime_ns,
-                self.mtime_ns, self.ctime_ns, self.parent, self.blob, self.version,
+                self.mode, self.nlink, self.uid, self.gid, self.rdev, self.size, self.allocated,
+                self.atime_ns, self.mtime_ns, self.ctime_ns, self.parent, self.blob,
+                self.version,
             )
             + self.name
         )
 
     @classmethod
     def unpack(cls, ino: int, raw: bytes) -> Inode:
-        fields = _INODE.unpack_from(raw)
-        return cls(ino, *fields[:9], blob=fields[9], version=fields[10],
-                   name=bytes(raw[_INODE.size:]))
+        return cls(ino, *_INODE.unpack_from(raw), name=bytes(raw[_INODE.size:]))
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """An inode that lost names: `gone` when it lost its last one (its record is deleted)."""
+
+    inode: Inode
+    names: list[tuple[int, bytes]] = field(default_factory=list)  # the names it lost
+
+    @property
+    def gone(self) -> bool:
+        return self.inode.nlink == 0
 
 
 @dataclass(frozen=True, slots=True)
 class BlobInfo:
-    """What is known about one immutable data file: its owner, size and block checksums."""
+    """What is known about one immutable data file: its owner, sizes and block checksums."""
 
     blob_id: int
     ino: int
     size: int
+    allocated: int
     block_size: int
     sums: array  # xxh3-64 of each block
 
     def pack(self) -> bytes:
-        return _BLOB.pack(self.ino, self.size, self.block_size) + self.sums.tobytes()
+        sums, flags = self.sums.tobytes(), 0
+        if len(sums) >= SUMS_COMPRESS_FROM:  # mostly holes: one repeated sum
+            sums, flags = zlib.compress(sums, 1), SUMS_COMPRESSED
+        return _BLOB.pack(self.ino, self.size, self.allocated, self.block_size, flags) + sums
 
     @classmethod
     def unpack(cls, blob_id: int, raw: bytes) -> BlobInfo:
-        ino, size, block_size = _BLOB.unpack_from(raw)
+        ino, size, allocated, block_size, flags = _BLOB.unpack_from(raw)
+        packed = bytes(raw[_BLOB.size:])
         sums = array("Q")
-        sums.frombytes(bytes(raw[_BLOB.size:]))
-        return cls(blob_id, ino, size, block_size, sums)
+        sums.frombytes(zlib.decompress(packed) if flags & SUMS_COMPRESSED else packed)
+        return cls(blob_id, ino, size, allocated, block_size, sums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,21 +189,24 @@ def check_name(name: bytes) -> None:
 class MetaStore:
     """Namespace and attributes of one kvfs volume, kept in LMDB."""
 
-    def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE,
+                 readonly: bool = False) -> None:
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
         # metasync=False: a power loss may undo the last commits but never breaks the database.
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=16, metasync=False,
-                             readahead=False)
-        self._db = {
-            family: self.env.open_db(family.encode())
-            for family in ("inode", "dentry", "dirlist", "xattr", "blob", "doomed",
-                           "recency", "pins", "models", "counters", "settings")
-        }
+                             readahead=False, readonly=readonly, lock=True)
+        self._db = {family: self.env.open_db(family.encode(), create=not readonly)
+                    for family in FAMILIES}
         self._reaped: list[int] = []  # doomed blobs already deleted, dropped at the next commit
+        if readonly:
+            return
         with self.env.begin(write=True) as txn:
             stored = txn.get(b"format", db=self._db["settings"])
             if stored is None:
                 self._format(txn)
+            elif stored == OLD_FORMAT:
+                self._migrate_from_v1(txn)
             elif stored != FORMAT:
                 raise RuntimeError(f"unsupported metadata format {stored!r} in {path}")
 
@@ -168,12 +215,32 @@ class MetaStore:
 
     def _format(self, txn: lmdb.Transaction) -> None:
         now = time.time_ns()
-        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now, ROOT_INO, 0, 0,
-                     b"")
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 0, 0, now, now, now, ROOT_INO,
+                     0, 0, b"")
         txn.put(u64(ROOT_INO), root.pack(), db=self._db["inode"])
         txn.put(b"format", FORMAT, db=self._db["settings"])
         self._set_counter(txn, "next_ino", ROOT_INO + 1)
         self._set_counter(txn, "next_blob", 1)
+
+    def _migrate_from_v1(self, txn: lmdb.Transaction) -> None:
+        """kvfs-1 records: no rdev, allocation or cookies; one name per inode."""
+        old_inode, old_blob = struct.Struct("<IIIIQqqqQQQ"), struct.Struct("<QQI")
+        for key, raw in list(txn.cursor(db=self._db["blob"])):
+            ino, size, block_size = old_blob.unpack_from(raw)
+            txn.put(key, _BLOB.pack(ino, size, size, block_size, 0) + raw[old_blob.size:],
+                    db=self._db["blob"])
+        for key, raw in list(txn.cursor(db=self._db["inode"])):
+            mode, nlink, uid, gid, size, *times, parent, blob, version = \
+                old_inode.unpack_from(raw)
+            inode = Inode(from_u64(key), mode, nlink, uid, gid, 0, size, size, *times, parent,
+                          blob, version, bytes(raw[old_inode.size:]))
+            self._put(txn, inode)
+        for key, child in list(txn.cursor(db=self._db["dentry"])):
+            txn.put(key, child + child, db=self._db["dentry"])  # the cookie is the child ino
+            txn.put(child + key, b"", db=self._db["links"])
+        for key, name in list(txn.cursor(db=self._db["dirlist"])):
+            txn.put(key, key[8:] + name, db=self._db["dirlist"])
+        txn.put(b"format", FORMAT, db=self._db["settings"])
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -219,18 +286,19 @@ class MetaStore:
             txn.put(u64(new_atime) + u64(inode.ino), b"", db=self._db["recency"])
 
     def _count_model(self, txn: lmdb.Transaction, inode: Inode, name: bytes, files: int,
-                     size: int) -> None:
-        """Per-model usage: a file counts for the model its name says (if any)."""
+                     allocated: int) -> None:
+        """Per-model usage: a file counts for the model its primary name says (if any)."""
         model = None if inode.is_dir else model_of(name)
-        if model is None or not (files or size):
+        if model is None or not (files or allocated):
             return
         key = model.encode()
         raw = txn.get(key, db=self._db["models"])
-        old_files, old_size = _MODEL.unpack(raw) if raw else (0, 0)
+        old_files, old_bytes = _MODEL.unpack(raw) if raw else (0, 0)
         if old_files + files <= 0:
             txn.delete(key, db=self._db["models"])
         else:
-            txn.put(key, _MODEL.pack(old_files + files, old_size + size), db=self._db["models"])
+            txn.put(key, _MODEL.pack(old_files + files, old_bytes + allocated),
+                    db=self._db["models"])
 
     def _dir(self, txn: lmdb.Transaction, ino: int) -> Inode:
         inode = self._get(txn, ino)
@@ -243,30 +311,61 @@ class MetaStore:
         return None if raw is None else self._get(txn, from_u64(raw))
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
-        txn.put(u64(parent) + name, u64(ino), db=self._db["dentry"])
-        txn.put(u64(parent) + u64(ino), name, db=self._db["dirlist"])
+        cookie = u64(self._add_counter(txn, "next_ino", 1) - 1)
+        txn.put(u64(parent) + name, u64(ino) + cookie, db=self._db["dentry"])
+        txn.put(u64(parent) + cookie, u64(ino) + name, db=self._db["dirlist"])
+        txn.put(u64(ino) + u64(parent) + name, b"", db=self._db["links"])
 
     def _unlink(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
-        txn.delete(u64(parent) + name, db=self._db["dentry"])
-        txn.delete(u64(parent) + u64(ino), db=self._db["dirlist"])
+        raw = txn.pop(u64(parent) + name, db=self._db["dentry"])
+        if raw is not None:
+            txn.delete(u64(parent) + raw[8:16], db=self._db["dirlist"])
+        txn.delete(u64(ino) + u64(parent) + name, db=self._db["links"])
+
+    def _names(self, txn: lmdb.Transaction, ino: int) -> list[tuple[int, bytes]]:
+        prefix = u64(ino)
+        cursor = txn.cursor(db=self._db["links"])
+        names = []
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(values=False):
+                if key[:8] != prefix:
+                    break
+                names.append((from_u64(key[8:16]), bytes(key[16:])))
+        return names
 
     def _has_children(self, txn: lmdb.Transaction, ino: int) -> bool:
         cursor = txn.cursor(db=self._db["dirlist"])
         return cursor.set_range(u64(ino)) and cursor.key()[:8] == u64(ino)
 
+    def _drop_name(self, txn: lmdb.Transaction, inode: Inode, parent: int, name: bytes,
+                   now: int) -> Inode:
+        """Remove one name of a non-directory; the inode goes with its last name."""
+        self._unlink(txn, parent, name, inode.ino)
+        if inode.nlink <= 1:
+            self._drop_inode(txn, inode)
+            return replace(inode, nlink=0)
+        updated = replace(inode, nlink=inode.nlink - 1, ctime_ns=now)
+        if (parent, name) == (inode.parent, inode.name):  # another name becomes the primary
+            new_parent, new_name = self._names(txn, inode.ino)[0]
+            self._count_model(txn, inode, name, -1, -inode.allocated)
+            self._count_model(txn, inode, new_name, 1, inode.allocated)
+            updated = replace(updated, parent=new_parent, name=new_name)
+        self._put(txn, updated)
+        return updated
+
     def _drop_inode(self, txn: lmdb.Transaction, inode: Inode) -> None:
         """Remove an unlinked inode's record, its xattrs, and doom its blob."""
-        txn.delete(u64(inode.ino), db=self._db["inode"])
-        txn.delete(u64(inode.ino), db=self._db["pins"])
+        key = u64(inode.ino)
+        for family in ("inode", "pins", "symlink"):
+            txn.delete(key, db=self._db[family])
         self._index_use(txn, inode, inode.atime_ns, None)
-        prefix = u64(inode.ino)
         cursor = txn.cursor(db=self._db["xattr"])
-        if cursor.set_range(prefix):
-            while cursor.key()[:8] == prefix and cursor.delete():
+        if cursor.set_range(key):
+            while cursor.key()[:8] == key and cursor.delete():
                 pass
         if not inode.is_dir:
             self._add_counter(txn, "files", -1)
-        self._count_model(txn, inode, inode.name, -1, -inode.size)
+        self._count_model(txn, inode, inode.name, -1, -inode.allocated)
         self._release_blob(txn, inode.blob)
 
     def _release_blob(self, txn: lmdb.Transaction, blob_id: int) -> None:
@@ -274,7 +373,7 @@ class MetaStore:
             return
         raw = txn.pop(u64(blob_id), db=self._db["blob"])
         if raw is not None:
-            self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).size)
+            self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
         txn.put(u64(blob_id), b"", db=self._db["doomed"])
 
     # -- reads ---------------------------------------------------------------------------
@@ -289,6 +388,18 @@ class MetaStore:
         with self.env.begin() as txn:
             return self._child(txn, parent, name)
 
+    def names(self, ino: int) -> list[tuple[int, bytes]]:
+        with self.env.begin() as txn:
+            return self._names(txn, ino)
+
+    def readlink(self, ino: int) -> bytes:
+        with self.env.begin() as txn:
+            self._get(txn, ino)
+            target = txn.get(u64(ino), db=self._db["symlink"])
+        if target is None:
+            raise fail(errno.EINVAL)
+        return bytes(target)
+
     def blob(self, blob_id: int) -> BlobInfo:
         with self.env.begin() as txn:
             raw = txn.get(u64(blob_id), db=self._db["blob"])
@@ -296,19 +407,20 @@ class MetaStore:
             raise fail(errno.EIO)
         return BlobInfo.unpack(blob_id, raw)
 
-    def readdir(self, parent: int, after_ino: int) -> Iterator[tuple[bytes, Inode]]:
-        """Entries of `parent` with child ino > after_ino, in ino order."""
+    def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
+        """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
         prefix = u64(parent)
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self._db["dirlist"])
-            if not cursor.set_range(prefix + u64(after_ino + 1)):
+            if not cursor.set_range(prefix + u64(after + 1)):
                 return
-            for key, name in cursor:
+            for key, value in cursor:
                 if key[:8] != prefix:
                     return
-                child = txn.get(key[8:], db=self._db["inode"])
+                child = txn.get(value[:8], db=self._db["inode"])
                 if child is not None:
-                    yield bytes(name), Inode.unpack(from_u64(key[8:]), child)
+                    yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
+                           from_u64(key[8:]))
 
     def usage(self) -> Usage:
         with self.env.begin() as txn:
@@ -388,12 +500,17 @@ class MetaStore:
         if used * page > limit:
             raise fail(errno.ENOSPC)
 
-    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        """Create a regular file or a directory (by `mode`) named `name` in `parent`."""
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
+             target: bytes | None = None) -> Inode:
+        """Create an inode of any type (by `mode`) named `name` in `parent`; a symlink's
+        `target` is its content."""
         check_name(name)
         self._check_room()
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise fail(errno.EPERM)
+        if stat.S_ISLNK(mode) and (not target or len(target) >= PATH_MAX or b"\0" in target):
+            raise fail(errno.ENAMETOOLONG if target and len(target) >= PATH_MAX
+                       else errno.EINVAL)
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
         now = time.time_ns()
         with self._write() as txn:
             parent_inode = self._dir(txn, parent)
@@ -401,9 +518,12 @@ class MetaStore:
                 raise fail(errno.EEXIST)
             ino = self._add_counter(txn, "next_ino", 1) - 1
             is_dir = stat.S_ISDIR(mode)
-            inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, 0, now, now, now, parent, 0,
-                          0, name)
+            size = len(target) if target else 0
+            inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, rdev, size, 0, now, now, now,
+                          parent, 0, 0, name)
             self._put(txn, inode)
+            if target:
+                txn.put(u64(ino), target, db=self._db["symlink"])
             self._index_use(txn, inode, None, now)
             self._count_model(txn, inode, name, 1, 0)
             self._link(txn, parent, name, ino)
@@ -413,8 +533,28 @@ class MetaStore:
                 self._add_counter(txn, "files", 1)
         return inode
 
-    def remove(self, parent: int, name: bytes, is_dir: bool) -> Inode:
-        """unlink (is_dir False) or rmdir (True); returns the removed inode."""
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        """A further name for a non-directory (a hard link)."""
+        check_name(new_name)
+        self._check_room()
+        now = time.time_ns()
+        with self._write() as txn:
+            inode = self._get(txn, ino)
+            if inode.is_dir:
+                raise fail(errno.EPERM)
+            if inode.nlink >= LINK_MAX:
+                raise fail(errno.EMLINK)
+            parent_inode = self._dir(txn, new_parent)
+            if self._child(txn, new_parent, new_name) is not None:
+                raise fail(errno.EEXIST)
+            self._link(txn, new_parent, new_name, ino)
+            inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
+            self._put(txn, inode)
+            self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
+        return inode
+
+    def remove(self, parent: int, name: bytes, is_dir: bool) -> Removed:
+        """unlink (is_dir False) or rmdir (True) of one name."""
         check_name(name)
         now = time.time_ns()
         with self._write() as txn:
@@ -426,18 +566,22 @@ class MetaStore:
                 raise fail(errno.ENOTDIR)
             if not is_dir and inode.is_dir:
                 raise fail(errno.EISDIR)
-            if is_dir and self._has_children(txn, inode.ino):
-                raise fail(errno.ENOTEMPTY)
-            self._unlink(txn, parent, name, inode.ino)
-            self._drop_inode(txn, inode)
+            if is_dir:
+                if self._has_children(txn, inode.ino):
+                    raise fail(errno.ENOTEMPTY)
+                self._unlink(txn, parent, name, inode.ino)
+                self._drop_inode(txn, inode)
+                after = replace(inode, nlink=0)
+            else:
+                after = self._drop_name(txn, inode, parent, name, now)
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink - inode.is_dir,
                                    mtime_ns=now, ctime_ns=now))
-        return inode
+        return Removed(after, [(parent, name)])
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int) -> tuple[Inode, Inode | None]:
+               flags: int) -> tuple[Inode, Removed | None]:
         """Move an entry, atomically replacing a compatible target; returns the moved inode
-        and the replaced one (if any)."""
+        and what happened to the replaced one (if any)."""
         check_name(old_name)
         check_name(new_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
@@ -458,27 +602,43 @@ class MetaStore:
                     raise fail(errno.ENOENT)
                 if target.is_dir and self._is_ancestor(txn, target.ino, old_parent):
                     raise fail(errno.EINVAL)
-                self._exchange(txn, moved, target, now)
-                return moved, None
+                self._exchange(txn, (old_parent, old_name, moved),
+                               (new_parent, new_name, target), now)
+                return self._get(txn, moved.ino), None
+            replaced = None
             if target is not None:
-                if target.ino == moved.ino:
+                if target.ino == moved.ino:  # two names of one file: POSIX says do nothing
                     return moved, None
                 if flags & RENAME_NOREPLACE:
                     raise fail(errno.EEXIST)
                 self._check_replaceable(txn, moved, target)
-                self._unlink(txn, new_parent, new_name, target.ino)
-                self._drop_inode(txn, target)
                 if target.is_dir:
+                    self._unlink(txn, new_parent, new_name, target.ino)
+                    self._drop_inode(txn, target)
                     self._adjust_parent(txn, new_parent, -1, now)
-            self._unlink(txn, old_parent, old_name, moved.ino)
-            self._link(txn, new_parent, new_name, moved.ino)
-            self._count_model(txn, moved, old_name, -1, -moved.size)
-            self._count_model(txn, moved, new_name, 1, moved.size)
-            moved = replace(moved, parent=new_parent, name=new_name, ctime_ns=now)
-            self._put(txn, moved)
+                    replaced = Removed(replace(target, nlink=0), [(new_parent, new_name)])
+                else:
+                    replaced = Removed(self._drop_name(txn, target, new_parent, new_name, now),
+                                       [(new_parent, new_name)])
+                moved = self._get(txn, moved.ino)  # unchanged unless it was the target
+            moved = self._move_name(txn, moved, (old_parent, old_name),
+                                    (new_parent, new_name), now)
             self._adjust_parent(txn, old_parent, -moved.is_dir, now)
             self._adjust_parent(txn, new_parent, moved.is_dir, now)
-        return moved, target
+        return moved, replaced
+
+    def _move_name(self, txn: lmdb.Transaction, inode: Inode, old: tuple[int, bytes],
+                   new: tuple[int, bytes], now: int) -> Inode:
+        """Re-point one name of `inode` (stored) and return its updated record."""
+        self._unlink(txn, *old, inode.ino)
+        self._link(txn, *new, inode.ino)
+        updated = replace(inode, ctime_ns=now)
+        if old == (inode.parent, inode.name):
+            self._count_model(txn, inode, old[1], -1, -inode.allocated)
+            self._count_model(txn, inode, new[1], 1, inode.allocated)
+            updated = replace(updated, parent=new[0], name=new[1])
+        self._put(txn, updated)
+        return updated
 
     def _check_replaceable(self, txn: lmdb.Transaction, moved: Inode, target: Inode) -> None:
         if moved.is_dir and not target.is_dir:
@@ -488,20 +648,33 @@ class MetaStore:
         if target.is_dir and self._has_children(txn, target.ino):
             raise fail(errno.ENOTEMPTY)
 
-    def _exchange(self, txn: lmdb.Transaction, first: Inode, second: Inode, now: int) -> None:
-        self._unlink(txn, first.parent, first.name, first.ino)
-        self._unlink(txn, second.parent, second.name, second.ino)
-        self._link(txn, first.parent, first.name, second.ino)
-        self._link(txn, second.parent, second.name, first.ino)
-        for inode, new_name in ((first, second.name), (second, first.name)):
-            self._count_model(txn, inode, inode.name, -1, -inode.size)
-            self._count_model(txn, inode, new_name, 1, inode.size)
-        self._put(txn, replace(first, parent=second.parent, name=second.name, ctime_ns=now))
-        self._put(txn, replace(second, parent=first.parent, name=first.name, ctime_ns=now))
-        if first.parent != second.parent and first.is_dir != second.is_dir:
-            shift = first.is_dir - second.is_dir
-            self._adjust_parent(txn, first.parent, -shift, now)
-            self._adjust_parent(txn, second.parent, shift, now)
+    def _exchange(self, txn: lmdb.Transaction, first: tuple[int, bytes, Inode],
+                  second: tuple[int, bytes, Inode], now: int) -> None:
+        (first_parent, first_name, first_inode) = first
+        (second_parent, second_name, second_inode) = second
+        if first_inode.ino == second_inode.ino:
+            return
+        self._unlink(txn, first_parent, first_name, first_inode.ino)
+        self._unlink(txn, second_parent, second_name, second_inode.ino)
+        self._link(txn, first_parent, first_name, second_inode.ino)
+        self._link(txn, second_parent, second_name, first_inode.ino)
+        for inode, old, new in ((first_inode, (first_parent, first_name),
+                                 (second_parent, second_name)),
+                                (second_inode, (second_parent, second_name),
+                                 (first_parent, first_name))):
+            updated = replace(inode, ctime_ns=now)
+            if old == (inode.parent, inode.name):
+                self._count_model(txn, inode, old[1], -1, -inode.allocated)
+                self._count_model(txn, inode, new[1], 1, inode.allocated)
+                updated = replace(updated, parent=new[0], name=new[1])
+            self._put(txn, updated)
+        if first_parent != second_parent and first_inode.is_dir != second_inode.is_dir:
+            shift = first_inode.is_dir - second_inode.is_dir
+            self._adjust_parent(txn, first_parent, -shift, now)
+            self._adjust_parent(txn, second_parent, shift, now)
+        else:
+            for parent in {first_parent, second_parent}:
+                self._adjust_parent(txn, parent, 0, now)
 
     def _adjust_parent(self, txn: lmdb.Transaction, ino: int, nlink_delta: int, now: int) -> None:
         inode = self._get(txn, ino)
@@ -517,25 +690,33 @@ class MetaStore:
 
     def set_attrs(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                   gid: int | None = None, atime_ns: int | None = None,
-                  mtime_ns: int | None = None) -> Inode:
+                  mtime_ns: int | None = None, clear_mode: int = 0) -> Inode:
+        """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
+        setgid on writes), inside the same transaction."""
         with self._write() as txn:
             inode = self._get(txn, ino)
+            if clear_mode and not inode.mode & clear_mode and mode is None:
+                return inode  # a write that finds nothing to clear changes no attribute
             changes: dict[str, int] = {"ctime_ns": time.time_ns()}
             if mode is not None:
                 changes["mode"] = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
-            for field, value in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns),
-                                 ("mtime_ns", mtime_ns)):
+            if clear_mode:
+                changes["mode"] = changes.get("mode", inode.mode) & ~clear_mode
+            for name, value in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns),
+                                ("mtime_ns", mtime_ns)):
                 if value is not None:
-                    changes[field] = value
+                    changes[name] = value
             updated = replace(inode, **changes)
             self._put(txn, updated)
             if updated.atime_ns != inode.atime_ns:
                 self._index_use(txn, inode, inode.atime_ns, updated.atime_ns)
         return updated
 
-    def allocate_blob_id(self) -> int:
+    def allocate_blob_ids(self, count: int) -> range:
+        """Take `count` blob ids in one transaction (writers take them in batches)."""
         with self._write() as txn:
-            return self._add_counter(txn, "next_blob", 1) - 1
+            end = self._add_counter(txn, "next_blob", count)
+        return range(end - count, end)
 
     def commit_content(self, ino: int, blob: BlobInfo | None) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
@@ -546,29 +727,37 @@ class MetaStore:
             inode = self._get(txn, ino)
             old_blob = inode.blob
             self._release_blob(txn, old_blob)
-            size = 0
+            size = allocated = 0
             if blob is not None:
                 txn.put(u64(blob.blob_id), blob.pack(), db=self._db["blob"])
-                self._add_counter(txn, "used_bytes", blob.size)
-                size = blob.size
-            updated = replace(inode, size=size, blob=blob.blob_id if blob else 0,
-                              version=inode.version + 1, atime_ns=now, mtime_ns=now,
-                              ctime_ns=now)
+                self._add_counter(txn, "used_bytes", blob.allocated)
+                size, allocated = blob.size, blob.allocated
+            updated = replace(inode, size=size, allocated=allocated,
+                              blob=blob.blob_id if blob else 0, version=inode.version + 1,
+                              atime_ns=now, mtime_ns=now, ctime_ns=now)
             self._put(txn, updated)
             self._index_use(txn, inode, inode.atime_ns, now)
-            self._count_model(txn, inode, inode.name, 0, size - inode.size)
+            self._count_model(txn, inode, inode.name, 0, allocated - inode.allocated)
         return updated, old_blob
 
-    def drop_file(self, ino: int) -> Inode | None:
-        """Remove a file whose data is lost (corrupt or missing); None if already gone."""
+    def drop_files(self, inos: Iterable[int]) -> list[Removed]:
+        """Remove files with every name they have (eviction, lost data), in one transaction;
+        inodes already gone are skipped."""
+        dropped = []
+        now = time.time_ns()
         with self._write() as txn:
-            try:
-                inode = self._get(txn, ino)
-            except OSError:
-                return None
-            self._unlink(txn, inode.parent, inode.name, ino)
-            self._drop_inode(txn, inode)
-        return inode
+            for ino in inos:
+                try:
+                    inode = self._get(txn, ino)
+                except FsError:
+                    continue
+                names = self._names(txn, ino)
+                for parent, name in names:
+                    self._unlink(txn, parent, name, ino)
+                    self._adjust_parent(txn, parent, 0, now)
+                self._drop_inode(txn, inode)
+                dropped.append(Removed(replace(inode, nlink=0), names))
+        return dropped
 
     def remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """fsck: delete a directory entry whose inode is missing."""
@@ -581,11 +770,15 @@ class MetaStore:
             txn.delete(u64(blob_id), db=self._db["blob"])
             txn.put(u64(blob_id), b"", db=self._db["doomed"])
 
-    def set_usage(self, used: int, files: int) -> None:
+    def set_usage(self, used: int, files: int, models: dict[str, dict[str, int]]) -> None:
         """fsck: reset the usage counters to what was counted."""
         with self._write() as txn:
             self._set_counter(txn, "used_bytes", used)
             self._set_counter(txn, "files", files)
+            txn.drop(self._db["models"], delete=False)
+            for model, counts in models.items():
+                txn.put(model.encode(), _MODEL.pack(counts["files"], counts["bytes"]),
+                        db=self._db["models"])
 
     def reaped(self, blob_ids: list[int]) -> None:
         """Doomed blobs whose files are gone; their records go with the next commit."""
@@ -595,7 +788,7 @@ class MetaStore:
         with self._write():
             pass
 
-    # -- xattrs --------------------------------------------------------------------------
+    # -- recency and xattrs ----------------------------------------------------------------
 
     def touch(self, uses: dict[int, int]) -> None:
         """Record the last use (ns) of files in one transaction; gone inodes are skipped."""
@@ -640,6 +833,7 @@ class MetaStore:
             raise fail(errno.E2BIG)
         if not name or len(name) > NAME_MAX:
             raise fail(errno.ERANGE)
+        self._check_room()
         with self._write() as txn:
             inode = self._get(txn, ino)
             txn.put(u64(ino) + name, value, db=self._db["xattr"])
@@ -649,11 +843,30 @@ class MetaStore:
 
     def removexattr(self, ino: int, name: bytes) -> None:
         with self._write() as txn:
-            self._get(txn, ino)
+            inode = self._get(txn, ino)
             if not txn.delete(u64(ino) + name, db=self._db["xattr"]):
                 raise fail(errno.ENODATA)
             if name == PIN_XATTR:
                 txn.delete(u64(ino), db=self._db["pins"])
+            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+
+
+def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
+    """What the usage counters should say, counted from the records: used bytes, files and
+    per-model usage (fsck and tests compare them with the counters)."""
+    used = sum(blob.allocated for blob in meta.blobs())
+    files = 0
+    models: dict[str, dict[str, int]] = {}
+    for inode in meta.inodes():
+        if inode.is_dir:
+            continue
+        files += 1
+        model = model_of(inode.name)
+        if model is not None:
+            counts = models.setdefault(model, {"files": 0, "bytes": 0})
+            counts["files"] += 1
+            counts["bytes"] += inode.allocated
+    return used, files, models
 
 
 class _WriteTxn:

@@ -1,14 +1,17 @@
 """The pool's capacity: accounting, least-recently-used eviction, pins, recency.
 
 One capacity for everything written through the mount, whoever writes it. Used bytes are the
-committed blobs (kept in the metadata store) plus what open write handles have staged. The
-effective capacity is the configured one, or less when the volume itself has less room.
+bytes committed blobs take on the volume (kept in the metadata store; holes take none) plus
+what open write handles have staged. The effective capacity is the configured one, or less
+when the volume itself has less room.
 
-Eviction drops least-recently-used committed files. It never takes a file that is open, that
-carries the `user.kvfs.pin` attribute or lies below a directory that does. Uses are recorded
-in memory and flushed to the metadata store every second and before each eviction. A
-background task keeps usage between the watermarks so writers rarely wait; a writer that
-still finds no room evicts inline and fails with ENOSPC only when nothing evictable is left.
+Eviction drops least-recently-used files, with all their names. It never takes a file that is
+open, that carries the `user.kvfs.pin` attribute or has a name below a directory that does.
+A request that needs room first chooses its victims (in a worker thread) and evicts them only
+if they free enough: a request that cannot fit fails with ENOSPC and evicts nothing. Uses are
+recorded in memory and flushed to the metadata store every second and before each eviction.
+A background task keeps usage between the watermarks so writers rarely wait. Metadata
+transactions and scans run in worker threads, never on the request loop.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from kvfs.meta import ROOT_INO, Inode, MetaStore, fail
+from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, fail
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -35,11 +38,12 @@ EVICTION_BATCH = 64
 TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
 SLACK_SECONDS = 0.1
+EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
 
 
 class Space:
     def __init__(self, meta: MetaStore, volume: Path, stats: Stats,
-                 is_open: Callable[[int], bool], on_evicted: Callable[[Inode], None]) -> None:
+                 is_open: Callable[[int], bool], on_evicted: Callable[[Removed], None]) -> None:
         self.meta = meta
         self.volume = volume
         self.stats = stats
@@ -51,6 +55,8 @@ class Space:
         # or gets old (the volume's free space can change behind our back).
         self._slack = 0
         self._slack_until = 0.0
+        self._evicting = trio.Lock()
+        self._pinned_warning = False
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -64,15 +70,18 @@ class Space:
         room = volume.f_bavail * volume.f_frsize - reserve
         return max(0, min(self.meta.capacity(), self.used() + room))
 
-    def reserve(self, growth: int) -> None:
-        """Make room for `growth` more bytes, evicting if needed; ENOSPC if impossible."""
+    async def reserve(self, growth: int) -> None:
+        """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
+        (evicting nothing) if it cannot."""
         if growth <= 0:
             return
         if growth <= self._slack and time.monotonic() < self._slack_until:
             self._slack -= growth  # room known to be there: no statvfs, no metadata read
             return
         capacity = self.capacity()
-        if self.used() + growth > capacity and not self.evict_to(capacity - growth):
+        if growth > capacity:
+            raise fail(errno.ENOSPC)
+        if self.used() + growth > capacity and not await self.evict_to(capacity - growth):
             raise fail(errno.ENOSPC)
         self._slack = capacity - self.used() - growth
         self._slack_until = time.monotonic() + SLACK_SECONDS
@@ -82,61 +91,92 @@ class Space:
     def touch(self, ino: int) -> None:
         self._uses[ino] = time.time_ns()
 
-    def flush_uses(self) -> None:
+    def take_uses(self) -> dict[int, int]:
+        uses, self._uses = self._uses, {}
+        return uses
+
+    async def flush_uses(self) -> None:
         if self._uses:
-            uses, self._uses = self._uses, {}
-            self.meta.touch(uses)
+            await trio.to_thread.run_sync(self.meta.touch, self.take_uses())
 
     # -- eviction ------------------------------------------------------------------------
 
-    def evict_to(self, target: int) -> bool:
-        """Evict least-recently-used files until used <= target; False if it cannot."""
-        self.flush_uses()  # eviction order must include the latest uses
-        position = b""
+    async def evict_to(self, target: int, partial: bool = False) -> bool:
+        """Evict least-recently-used files until used <= target. If that is impossible,
+        evict nothing and return False (with `partial`, evict what can be)."""
+        async with self._evicting:
+            await self.flush_uses()  # eviction order must include the latest uses
+            for _ in range(EVICTION_ATTEMPTS):
+                need = self.used() - target
+                if need <= 0:
+                    return True
+                victims, enough = await trio.to_thread.run_sync(self._choose, need)
+                if not enough and not partial:
+                    return False
+                spared = [ino for ino in victims if not self.is_open(ino)]  # opened meanwhile
+                for removed in await trio.to_thread.run_sync(self.meta.drop_files, spared):
+                    self.stats.evictions += 1
+                    log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
+                              removed.inode.ino, removed.inode.allocated)
+                    self.on_evicted(removed)
+                if not enough:
+                    return False
+            return self.used() <= target
+
+    def _choose(self, need: int) -> tuple[list[int], bool]:
+        """Least-recently-used evictable files that free `need` bytes (worker thread);
+        returns them and whether they free enough."""
         pinned = self.meta.pinned()
-        while self.used() > target:
+        victims: list[int] = []
+        freed, position = 0, b""
+        while freed < need:
             batch = self.meta.least_recent(EVICTION_BATCH, position)
             if not batch:
-                return False
+                return victims, False
             position = batch[-1][0]
             for _, inode in batch:
-                if self.used() <= target:
-                    break
                 if self._evictable(inode, pinned):
-                    self._evict(inode)
-        return True
+                    victims.append(inode.ino)
+                    freed += inode.allocated
+                    if freed >= need:
+                        break
+        return victims, True
 
     def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
-        if self.is_open(inode.ino):
+        if self.is_open(inode.ino) or inode.ino in pinned:
             return False
-        ino = inode.ino
-        while True:
-            if ino in pinned:
-                return False
-            if ino == ROOT_INO:
-                return True
-            ino = self.meta.get(ino).parent if ino != inode.ino else inode.parent
+        parents = [inode.parent] if inode.nlink <= 1 else [
+            parent for parent, _ in self.meta.names(inode.ino)]
+        for ino in parents:
+            while True:
+                if ino in pinned:
+                    return False
+                if ino == ROOT_INO:
+                    break
+                ino = self.meta.get(ino).parent
+        return True
 
-    def _evict(self, inode: Inode) -> None:
-        dropped = self.meta.drop_file(inode.ino)
-        if dropped is not None:
-            self.stats.evictions += 1
-            log.debug("evicted %r (ino %d, %d bytes)", dropped.name, dropped.ino, dropped.size)
-            self.on_evicted(dropped)
-
-    def trim(self) -> bool:
-        """Above the high watermark, evict down to the low one; False if pins prevent it."""
+    async def trim(self) -> None:
+        """Above the high watermark, evict down to the low one (as far as pins allow)."""
         capacity = self.capacity()
         if self.used() <= HIGH_WATERMARK * capacity:
-            return True
-        return self.evict_to(int(LOW_WATERMARK * capacity))
+            return
+        reached = await self.evict_to(int(LOW_WATERMARK * capacity), partial=True)
+        if not reached and not self._pinned_warning:
+            log.warning("pinned and open files alone exceed the capacity")
+        self._pinned_warning = not reached
 
     async def run(self) -> None:
-        """Background upkeep: stay under the high watermark, flush recorded uses."""
+        """Background upkeep: stay under the high watermark, flush recorded uses. A failure
+        is logged and counted, and the next tick tries again."""
         last_flush = time.monotonic()
         while True:
+            try:
+                await self.trim()
+                if time.monotonic() - last_flush >= RECENCY_FLUSH_SECONDS:
+                    last_flush = time.monotonic()
+                    await self.flush_uses()
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("space upkeep failed")
             await trio.sleep(TICK_SECONDS)
-            self.trim()
-            if time.monotonic() - last_flush >= RECENCY_FLUSH_SECONDS:
-                self.flush_uses()
-                last_flush = time.monotonic()

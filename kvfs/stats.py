@@ -15,6 +15,9 @@ class Stats:
     evictions: int = 0
     checksum_errors: int = 0
     handler_errors: int = 0  # unexpected exceptions answered with EIO
+    volume_errors: int = 0  # errors of the volume underneath (EIO, ...) met by requests
+    readahead_errors: int = 0  # readahead runs that failed (their readers retried)
+    background_errors: int = 0  # failed rounds of eviction, recency flushes, data deletion
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
