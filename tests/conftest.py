@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from kvfs.meta import MetaStore, recount
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_SCRIPT = REPO / "mount_kvfs.py"
@@ -43,6 +46,33 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def stats(mountpoint: Path) -> dict:
+    return json.loads((mountpoint / ".kvfs" / "stats").read_text())
+
+
+def counters_and_recount(mountpoint: Path, data: Path) -> tuple[tuple, tuple]:
+    """The live mount's usage counters and what a recount of its metadata says (read from
+    the LMDB environment the daemon serves, read-only): they must always be equal."""
+    shown = stats(mountpoint)
+    meta = MetaStore(data / "meta", readonly=True)
+    try:
+        used, files, models = recount(meta)
+    finally:
+        meta.close()
+    return (shown["used_bytes"], shown["files"], shown["models"]), (used, files, models)
+
+
+def assert_counters_exact(mountpoint: Path, data: Path) -> None:
+    shown, counted = counters_and_recount(mountpoint, data)
+    assert shown == counted, f"counters {shown} != recount {counted}"
+
+
+def allocated(path: Path) -> int:
+    """Bytes a file takes on its volume, as kvfs counts them (no preallocation past EOF)."""
+    st = path.stat()
+    return min(st.st_blocks * 512, -(-st.st_size // 4096) * 4096)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:

@@ -18,6 +18,7 @@ import pytest
 from conftest import (
     MOUNT_SCRIPT,
     KvfsMount,
+    allocated,
     daemon_pid,
     is_mounted,
     pid_alive,
@@ -452,8 +453,7 @@ def test_fsck_finds_and_drops_corrupt_blob(filled: KvfsMount) -> None:
     assert not filled.victim_blob.exists()  # type: ignore[attr-defined]
     st = os.statvfs(filled.mountpoint)
     used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    on_disk = sum(p.stat().st_size for p in blob_files(filled.data))
-    assert used == -(-on_disk // 4096) * 4096
+    assert used == sum(allocated(p) for p in blob_files(filled.data))
 
 
 def test_fsck_finds_and_drops_truncated_blob(filled: KvfsMount) -> None:

@@ -21,7 +21,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, is_mounted, pid_alive, run_mount, wait_dead, wait_for
+from conftest import (
+    KvfsMount,
+    allocated,
+    is_mounted,
+    pid_alive,
+    run_mount,
+    wait_dead,
+    wait_for,
+)
 
 KVFS = Path(sys.executable).parent / "kvfs"
 MiB = 1 << 20
@@ -78,7 +86,8 @@ def assert_no_leak(volume: KvfsMount) -> None:
     on_volume = sum(p.stat().st_size for p in blob_files(volume.data))
     visible = sum(visible_files(volume.mountpoint).values())
     assert on_volume == visible, f"{on_volume} bytes of blob files, {visible} bytes visible"
-    assert statvfs_used(volume.mountpoint) == round_up(on_volume)
+    assert statvfs_used(volume.mountpoint) == round_up(
+        sum(allocated(p) for p in blob_files(volume.data)))
     assert list((volume.data / "staging").iterdir()) == []
 
 

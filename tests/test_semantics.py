@@ -6,11 +6,13 @@ import errno
 import mmap
 import multiprocessing
 import os
+import socket
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import stats
 
 MiB = 1 << 20
 
@@ -57,7 +59,7 @@ def test_large_file_roundtrip_and_shell_tools(kvfs) -> None:
     assert big.read_bytes() == payload
     listing = sh("ls", "-l", str(big))
     assert str(len(payload)) in listing.split()
-    assert int(sh("du", "-k", str(big)).split()[0]) == -(-len(payload) // 1024)
+    assert int(sh("du", "-k", str(big)).split()[0]) == -(-len(payload) // 4096) * 4
     assert int(sh("stat", "-c", "%s", str(big))) == len(payload)
     df = sh("df", "-k", str(kvfs.mountpoint)).splitlines()[1].split()
     assert int(df[1]) == 1 << 20  # 1G capacity in KiB
@@ -137,15 +139,48 @@ def test_attributes(kvfs) -> None:
     assert info.st_atime_ns >= 1_000_000_000  # atime is the last use: lookups move it on
 
 
-def test_unsupported_file_types_are_refused(kvfs) -> None:
+def test_every_file_type_with_shell_tools_and_across_remounts(kvfs) -> None:
+    """Symlinks, hard links, fifos, sockets and device nodes are metadata-only inodes; the
+    kernel does their I/O. Hard links share one blob, counted once."""
     root = kvfs.mountpoint
-    (root / "f").write_bytes(b"x")
-    assert errno_of(os.symlink, "f", root / "link") in (errno.EPERM, errno.ENOTSUP)
-    assert errno_of(os.link, root / "f", root / "hard") in (errno.EPERM, errno.ENOTSUP)
-    assert errno_of(os.mkfifo, root / "fifo") in (errno.EPERM, errno.ENOTSUP)
-    assert errno_of(os.mknod, root / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3)) in (
-        errno.EPERM, errno.ENOTSUP)
-    assert sorted(os.listdir(root)) == ["f"]
+    (root / "models").mkdir()
+    (root / "models" / "f").write_bytes(b"x" * MiB)
+    sh("ln", "-s", "models", str(root / "current"))
+    sh("ln", str(root / "models" / "f"), str(root / "hard"))
+    sh("mkfifo", str(root / "fifo"))
+    sh("mknod", str(root / "null"), "c", "1", "3")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(root / "sock"))
+        server.listen()
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(root / "sock"))
+            client.sendall(b"ping")
+            assert server.accept()[0].recv(4) == b"ping"
+    writer = subprocess.Popen(["sh", "-c", f"echo through > {root / 'fifo'}"])
+    assert (root / "fifo").read_text() == "through\n"
+    assert writer.wait(10) == 0
+    for _ in range(2):
+        assert (root / "current" / "f").read_bytes() == b"x" * MiB
+        assert os.readlink(root / "current") == "models"
+        assert os.stat(root / "hard").st_ino == os.stat(root / "models" / "f").st_ino
+        assert os.stat(root / "hard").st_nlink == 2
+        assert stat.S_ISFIFO(os.stat(root / "fifo").st_mode)
+        assert stat.S_ISSOCK(os.stat(root / "sock").st_mode)
+        assert os.stat(root / "null").st_rdev == os.makedev(1, 3)
+        assert errno_of(open, root / "null") == errno.EACCES  # mounted nodev (libfuse)
+        assert stats(root)["used_bytes"] == MiB  # two names, one blob
+        assert stats(root)["files"] == 5  # f (= hard), current, fifo, null, sock
+        kvfs.remount()
+    assert errno_of(os.link, root / "models", root / "dirlink") == errno.EPERM
+    assert errno_of(os.symlink, "x", root / "hard") == errno.EEXIST
+    os.symlink("loop", root / "loop")
+    assert errno_of(os.stat, root / "loop") == errno.ELOOP
+    assert errno_of(os.stat, root / "current" / "nothing") == errno.ENOENT
+    sh("rm", str(root / "models" / "f"))
+    assert (root / "hard").read_bytes() == b"x" * MiB
+    assert os.stat(root / "hard").st_nlink == 1
+    sh("rm", str(root / "hard"))
+    assert stats(root)["used_bytes"] == 0
 
 
 def test_name_limits_and_lmcache_names(kvfs) -> None:
@@ -294,21 +329,28 @@ def test_hostile_requests_leave_the_mount_alive(kvfs) -> None:
 
 
 def shared_temp_writer(temp: Path, final: Path, payload: bytes, opened, go, done) -> None:
-    """One LMCache-like writer process: open <key>.tmp, write, then on `go` close and rename."""
+    """One LMCache-like writer process: open <key>.tmp, write, then on `go` close and rename;
+    exits 0 when its rename succeeded, 2 when the name was already renamed away (ENOENT)."""
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.write(fd, payload)
     opened.set()
     go.wait(30)
     os.close(fd)
-    os.rename(temp, final)  # raises (and the process exits non-zero) on ENOENT
+    try:
+        os.rename(temp, final)
+        code = 0
+    except FileNotFoundError:
+        code = 2
     done.set()
+    os._exit(code)
 
 
 @pytest.mark.parametrize("close_both_first", [False, True])
-def test_writers_sharing_a_temp_name_both_rename_cleanly(kvfs, close_both_first: bool) -> None:
+def test_writers_sharing_a_temp_name_leave_one_whole_chunk(kvfs, close_both_first: bool) -> None:
     """LMCache's fs plugin: every writer of a chunk writes `<key>.tmp`, closes, renames it to
-    `<key>.data`. With two processes at once, the second rename finds its file already in
-    place: success, no error, and the chunk is the last closer's."""
+    `<key>.data`. With two processes at once, both write one file (the same inode); the first
+    rename moves it, the second finds no `<key>.tmp` (ENOENT, as on any filesystem: nobody
+    sees a name after it was renamed away). The chunk is whole: one writer's bytes."""
     context = multiprocessing.get_context("fork")
     root = kvfs.mountpoint
     temp, final = root / "key.tmp", root / "key.data"
@@ -325,10 +367,21 @@ def test_writers_sharing_a_temp_name_both_rename_cleanly(kvfs, close_both_first:
             assert done.wait(30)
     for writer in writers:
         writer.join(30)
-    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert sorted(writer.exitcode for writer in writers) == [0, 2]
     assert final.read_bytes() in (b"1" * MiB, b"2" * MiB)
     assert os.listdir(root) == ["key.data"]
-    assert errno_of(os.stat, temp) == errno.ENOENT  # only those writers saw the old name
+    assert errno_of(os.stat, temp) == errno.ENOENT
+
+
+def test_a_renamed_away_name_is_gone_at_once_for_everyone(kvfs) -> None:
+    """The shell that wrote both names, and every other process, stop seeing the old name
+    the moment rename returns."""
+    root = kvfs.mountpoint
+    sh("sh", "-c", f"echo first > {root / 'x'}; echo second > {root / 'y'}; "
+                   f"mv {root / 'y'} {root / 'x'}; test ! -e {root / 'y'}")
+    assert errno_of(os.stat, root / "y") == errno.ENOENT
+    assert (root / "x").read_text() == "second\n"
+    assert os.listdir(root) == ["x"]
 
 
 def test_a_renamed_name_is_free_for_a_new_file_at_once(kvfs) -> None:
