@@ -110,8 +110,11 @@ class DataStore:
         """Open a committed blob: published, or still in staging/ if publishing failed."""
         try:
             return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return os.open(self.staging_path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as published_error:
+            try:
+                return os.open(self.staging_path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise published_error from None
 
     @staticmethod
     def will_read(fd: int) -> None:
@@ -202,6 +205,7 @@ class StagedFile:
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
+        self.changed = False  # nothing to commit until a write or truncate lands
         self.committed = False
         self.published = False
         self._finished: BlobInfo | None = None
@@ -264,6 +268,7 @@ class StagedFile:
             self._stream(memoryview(data)[:written], offset)
         self.size = max(self.size, end)
         self._measure()
+        self.changed = True
         return written
 
     def _grow(self, position: int) -> None:
@@ -299,10 +304,11 @@ class StagedFile:
             self._stream_end = size if size % BLOCK_SIZE == 0 else None
         self.size = size
         self._measure()
+        self.changed = True
 
     def read(self, offset: int, size: int) -> bytes:
-        self._materialize()
-        return os.pread(self.fd, size, offset)
+        fd = self._base[0] if self._base is not None else self.fd  # reading copies nothing
+        return os.pread(fd, size, offset)
 
     def finish(self, ino: int) -> BlobInfo:
         """Hash what was not hashed while streaming, flush if asked; the blob is final.

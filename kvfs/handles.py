@@ -343,6 +343,9 @@ class FileTable:
             staged = handle.staged
             if staged is None:
                 return False
+            if not staged.changed:  # every change it tried failed: no new version
+                self._discard_staged(handle)
+                return False
             if not staged.committed and not await self._commit(handle, staged):
                 return False
             await trio.to_thread.run_sync(staged.publish)

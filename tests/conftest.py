@@ -69,6 +69,11 @@ def assert_counters_exact(mountpoint: Path, data: Path) -> None:
     assert shown == counted, f"counters {shown} != recount {counted}"
 
 
+def blob_files(data: Path) -> list[Path]:
+    """The published data files of a kvfs volume."""
+    return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
+
+
 def allocated(path: Path) -> int:
     """Bytes a file takes on its volume, as kvfs counts them (no preallocation past EOF)."""
     st = path.stat()

@@ -19,6 +19,7 @@ from conftest import (
     MOUNT_SCRIPT,
     KvfsMount,
     allocated,
+    blob_files,
     daemon_pid,
     is_mounted,
     pid_alive,
@@ -68,9 +69,6 @@ def write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
 
-
-def blob_files(data: Path) -> list[Path]:
-    return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
 
 
 def only_blob(data: Path) -> Path:

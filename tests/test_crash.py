@@ -24,6 +24,7 @@ import pytest
 from conftest import (
     KvfsMount,
     allocated,
+    blob_files,
     is_mounted,
     pid_alive,
     run_mount,
@@ -41,9 +42,6 @@ MiB = 1 << 20
 def kvfs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([str(KVFS), *args], capture_output=True, text=True, timeout=timeout)
 
-
-def blob_files(data: Path) -> list[Path]:
-    return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
 
 
 def drop_caches() -> None:

@@ -87,6 +87,19 @@ def require(got: dict[str, Any], required: dict[str, Any]) -> None:
     assert {key: got[key] for key in required} == required
 
 
+def differences(ours: Any, local: Any, where: str = "") -> list[str]:
+    """Where two scenario results differ, as 'key/key: kvfs ..., local disk ...' lines."""
+    if isinstance(ours, dict) and isinstance(local, dict):
+        found = []
+        for key in [*local, *(key for key in ours if key not in local)]:
+            found += differences(ours.get(key, "<absent>"), local.get(key, "<absent>"),
+                                 f"{where}/{key}" if where else str(key))
+        return found
+    if ours == local:
+        return []
+    return [f"{where or 'result'}:\n  kvfs       {ours!r}\n  local disk {local!r}"]
+
+
 # -- the two roots ---------------------------------------------------------------------------
 
 
@@ -101,8 +114,10 @@ class Pair:
     def both(self, scenario: Callable[[Path], Any]) -> Outcome:
         local = outcome(lambda: scenario(self.plain))
         ours = outcome(lambda: scenario(self.kvfs))
-        assert ours == local, (f"kvfs differs from the local disk\n  kvfs:       {ours!r}\n"
-                               f"  local disk: {local!r}")
+        if ours != local:
+            found = (differences(ours[1], local[1]) if ours[0] == local[0] == "ok"
+                     else [f"kvfs {ours!r}\n  local disk {local!r}"])
+            raise AssertionError("kvfs differs from the local disk:\n" + "\n".join(found))
         return local
 
     def same(self, scenario: Callable[[Path], Any]) -> Any:
@@ -613,12 +628,20 @@ def test_truncate_shrinks_and_extends_with_zeros(pair: Pair) -> None:
             os.pwrite(fd, b"abc", 0)
         finally:
             os.close(fd)
+        found["size at once after ftruncate, write and close"] = os.stat(root / "f").st_size
         found["ftruncate and write"] = (root / "f").read_bytes()
+        fd = os.open(root / "f", os.O_WRONLY)
+        try:
+            os.ftruncate(fd, 1)
+        finally:
+            os.close(fd)
+        found["size at once after ftruncate and close"] = os.stat(root / "f").st_size
         return found
 
     got = pair.same(scenario)
     require(got, {"to 5": (5, b"hello", 0), "to 9": (9, b"hello\0\0\0\0", 4),
-                  "ftruncate and write": b"abc"})
+                  "size at once after ftruncate, write and close": 3,
+                  "ftruncate and write": b"abc", "size at once after ftruncate and close": 1})
 
 
 def test_truncate_to_one_tib_is_sparse(pair: Pair) -> None:
