@@ -146,6 +146,12 @@ class KvfsOperations(pyfuse3.Operations):
         return self.control.attributes(ino) if self.control.owns(ino) else \
             self.files.attributes(ino)
 
+    def _entry(self, inode: Inode) -> EntryAttributes:
+        """Attributes of a file being written are not cached: its size and times change at
+        the close that commits, and a stat right after that close must see them."""
+        return entry_attributes(inode, 0.0 if self.files.has_writer(inode.ino)
+                                else ENTRY_TIMEOUT)
+
     def _refuse_control(self, *places: tuple[int, bytes]) -> None:
         if any(self.control.is_reserved(parent, name) for parent, name in places):
             raise FUSEError(errno.EPERM)
@@ -167,10 +173,10 @@ class KvfsOperations(pyfuse3.Operations):
             return negative_entry()
         self.stats.lookup_hits += 1
         self.space.touch(inode.ino)
-        return entry_attributes(self.files.attributes(inode.ino))
+        return self._entry(self.files.attributes(inode.ino))
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
-        return entry_attributes(self._attributes(inode))
+        return self._entry(self._attributes(inode))
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
@@ -190,9 +196,11 @@ class KvfsOperations(pyfuse3.Operations):
             "atime_ns": attr.st_atime_ns if fields.update_atime else None,
             "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
         }
-        if any(value is not None for value in changed.values()):
+        if not fields.update_size or any(value is not None for value in changed.values()):
+            # Every attribute change is a ctime change, also one that changes nothing
+            # (chown(f, -1, -1) arrives with no field set).
             self.meta.set_attrs(inode, **changed)
-        return entry_attributes(self.files.attributes(inode))
+        return self._entry(self.files.attributes(inode))
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:

@@ -121,6 +121,10 @@ class FileTable:
     def is_open(self, ino: int) -> bool:
         return ino in self._open
 
+    def has_writer(self, ino: int) -> bool:
+        state = self._open.get(ino)
+        return state is not None and any(handle.writable for handle in state.handles)
+
     # -- open / close --------------------------------------------------------------------
 
     async def open(self, inode: Inode, flags: int, uid: int) -> Opened:
@@ -144,6 +148,9 @@ class FileTable:
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
             await self.truncate(handle, 0)
+            if handle.kill_privs:  # truncation by open is a write: it clears them too
+                handle.kill_privs = False
+                self._clear_privileges(inode.ino)
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
         if not (writable or keep) and fd is not None:

@@ -518,6 +518,9 @@ class MetaStore:
                 raise fail(errno.EEXIST)
             ino = self._add_counter(txn, "next_ino", 1) - 1
             is_dir = stat.S_ISDIR(mode)
+            if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
+                gid = parent_inode.gid
+                mode |= stat.S_ISGID if is_dir else 0
             size = len(target) if target else 0
             inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, rdev, size, 0, now, now, now,
                           parent, 0, 0, name)

@@ -1,15 +1,32 @@
 """Differential test: kvfs against a plain directory, under random sequences of file operations.
 
 A hypothesis state machine applies every operation to a kvfs mount and to a plain directory on
-the local disk side by side, and compares what each returns — data, sizes, listings, modes,
-xattrs and errnos — after every step; the whole trees (with contents and xattrs) and kvfs's
-space accounting are compared at the end of each example.
+the local disk side by side, and compares what each returns (data, sizes, listings, modes,
+xattrs, link targets and errnos) after every step; after every step it also compares the
+whole trees and checks that kvfs's usage counters equal a recount of its metadata. The trees
+with contents and xattrs, and kvfs's space accounting, are compared at the end of each example.
 
 Operations: create (O_CREAT with and without O_EXCL / O_TRUNC / O_APPEND), writes at offsets
-(holes, across the 1 MiB checksum blocks), open-act-close sessions mixing pwrite, write, lseek,
-ftruncate and pread on one handle, truncate, rename and renameat2 (NOREPLACE, EXCHANGE) of
-files and directories (onto existing entries, into their own subtree), unlink, mkdir, rmdir,
-whole and partial reads, listdir, stat, chmod, utime, user xattrs.
+(holes, across the 1 MiB checksum blocks, far past the end: 64 GiB, 1 TiB, at the 16 TiB limit
+where writes are cut short or refused with EFBIG), open-act-close sessions mixing pwrite,
+write, lseek, ftruncate and pread on one handle, truncate (to sparse sizes up to 16 TiB, and
+past it for EFBIG), rename and renameat2 (NOREPLACE, EXCHANGE) of files, directories and
+special files (onto existing entries, into their own subtree, between two names of one inode),
+unlink, mkdir, rmdir, symlinks (to generated names, dangling, looping, absolute, with a
+trailing slash; operations follow them), hard links (of files, special files and symlinks,
+following them or not; of directories: EPERM), mkfifo, mknod (character and block devices,
+fifos, sockets, regular files), unix socket binds, whole and partial reads, listdir, stat and
+lstat, chmod (also setuid / setgid / sticky modes), utime, user xattrs, and writes and
+truncates by another user (nobody, through setpriv) that must clear setuid, and setgid on
+group-executable files, as Linux does.
+
+Compared for every name (lstat, so symlinks are not followed): file type, permission bits,
+owner and group; for everything but directories st_size, st_nlink, and which other names
+share its inode (the partition of names into inodes, not the inode numbers); symlink targets;
+st_rdev of device nodes; for regular files, the bytes allocated (st_blocks) against the data
+the plain directory's file holds (its SEEK_DATA ranges, in 4 KiB blocks): holes take nothing
+on either side. Contents of large sparse files are compared where the plain file holds data,
+at its start and end, and around every hole's edges.
 
 Only the differences kvfs documents (README: "Guarantees", "Semantics not offered") are allowed:
 - Close-to-open visibility, stat showing the committed size: every operation opens, acts and
@@ -17,22 +34,23 @@ Only the differences kvfs documents (README: "Guarantees", "Semantics not offere
 - atime is the last use, mtime is set when a writer commits: times are compared only right
   after utime() set them.
 - Directories' st_size and st_nlink are not compared.
-- No symlinks, hard links or special files: not generated. `.kvfs` in the root is reserved and
-  not listed: names in the root never use it (deeper directories do).
-- Shared temp names: a file renamed away while (or within 2 s after) two writers had it open
-  still answers lookups of its old name for 2 s. The test tracks those windows and leaves the
-  old name alone until it has expired.
+- `.kvfs` in the root is reserved and not listed: names in the root never use it (deeper
+  directories do), and no symlink target can lead back to the root (targets never hold
+  `.`, `..`, or an absolute path that exists).
+- The mount has nodev: device nodes (and fifos, which would block) are created, inspected,
+  renamed, linked and removed, never opened.
 
-Cost: by default 100 examples of up to 50 steps (about 10 s on 2 cores). Other profiles, selected
-with the environment variable KVFS_HYPOTHESIS_PROFILE:
+Cost: by default 100 examples of up to 50 steps (about 45 s on 2 cores). Other profiles,
+selected with the environment variable KVFS_HYPOTHESIS_PROFILE:
 
     KVFS_HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_differential.py
-        5000 examples of up to 80 steps (about 15 minutes): after changes to the namespace
+        5000 examples of up to 80 steps (about an hour): after changes to the namespace
         or write paths, or as a soak;
     KVFS_HYPOTHESIS_PROFILE=quick    5 examples of up to 20 steps: a smoke run.
 
-A failure prints the shortest sequence of steps hypothesis found as a runnable program; it is
-saved in .hypothesis/ and replayed first on the next run.
+Both roots lie in a 0755 directory under /var/tmp and kvfs is mounted with --allow-other, so
+that user nobody can reach them. A failure prints the shortest sequence of steps hypothesis
+found as a runnable program; it is saved in .hypothesis/ and replayed first on the next run.
 """
 
 from __future__ import annotations
@@ -43,16 +61,19 @@ import hashlib
 import os
 import random
 import shutil
+import socket
 import stat
-import time
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from conftest import KvfsMount
-from hypothesis import HealthCheck, note, settings
+from conftest import KvfsMount, assert_counters_exact, stats
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -61,7 +82,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+KiB = 1 << 10
 MiB = 1 << 20
+TiB = 1 << 40
+LIMIT = 1 << 44  # kvfs's largest file size (16 TiB); ext4's is one 4 KiB block less
 
 PROFILES: dict[str, dict[str, int]] = {
     "default": {"max_examples": 100, "stateful_step_count": 50},
@@ -77,6 +101,10 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
+NOBODY = 65534
+# Only the standard library is needed: the system interpreter, which nobody can surely run.
+CHILD_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
 # -- what the rules are made of ----------------------------------------------------------------
 
 NAMES = ("a", "b", "c")
@@ -86,16 +114,35 @@ Parts = tuple[str, ...]
 
 paths = st.builds(lambda first, rest: (first, *rest), st.sampled_from(NAMES),
                   st.lists(st.sampled_from(DEEP_NAMES), max_size=2))
+# Far past the end: 64 GiB, 1 TiB, and at ext4's limit (2**44 - 4096), where a write is cut
+# short (the first offset, with more than 904 bytes) or refused (the others) on both sides.
+far_offsets = st.sampled_from([1 << 36, (1 << 36) + 4095, TiB + 3, LIMIT - 5000, LIMIT - 100,
+                               LIMIT, 1 << 62])
 offsets = st.one_of(
     st.integers(0, 9000),
     st.integers(0, 300_000),
     st.sampled_from([4096, MiB - 7, MiB, MiB + 3, 2 * MiB + 100, 3 * MiB]),
+    far_offsets,
 )
 sizes = st.one_of(st.integers(0, 10_000),
-                  st.sampled_from([0, 1, 4096, MiB - 1, MiB, MiB + 1, 2 * MiB + 5]))
+                  st.sampled_from([0, 1, 4096, MiB - 1, MiB, MiB + 1, 2 * MiB + 5]),
+                  # sparse: a hole up to the size; past 16 TiB (ext4: 16 TiB - 4 KiB): EFBIG
+                  st.sampled_from([1 << 36, (1 << 36) + 5, TiB, LIMIT - 4096, LIMIT - 1,
+                                   LIMIT, LIMIT + 1, 1 << 62]))
 file_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444])
 dir_modes = st.sampled_from([0o755, 0o700, 0o750])
+chmod_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444, 0o4755, 0o2775, 0o2745,
+                               0o6777, 0o1777, 0o6711])
+# Modes that let nobody write: setgid with and without group exec, setuid, neither.
+shared_modes = st.sampled_from([0o6777, 0o4777, 0o2777, 0o2767, 0o6766, 0o0777, 0o0666])
 xattr_names = st.sampled_from(["user.x", "user.y"])
+# Symlink targets: relative, going down from the link's directory only (no `.` or `..`), so
+# that whatever they resolve to lies below the root and never is the root (`.kvfs`).
+link_targets = st.one_of(
+    st.lists(st.sampled_from((*NAMES, "x")), min_size=1, max_size=3).map("/".join),
+    st.sampled_from(["a/", "x/y/", "/nonexistent-kvfs-target/x"]),
+)
+device_numbers = st.sampled_from([(240, 1), (254, 300), (4095, 1048575)])
 
 XATTR_CREATE = getattr(os, "XATTR_CREATE", 1)
 XATTR_REPLACE = getattr(os, "XATTR_REPLACE", 2)
@@ -166,6 +213,9 @@ def describe(outcome: Any) -> str:
     if isinstance(outcome, tuple | list):
         inner = ", ".join(describe(item) for item in outcome)
         return f"({inner})" if isinstance(outcome, tuple) else f"[{inner}]"
+    if isinstance(outcome, dict):
+        return "{" + ", ".join(f"{key!r}: {describe(value)}"
+                               for key, value in outcome.items()) + "}"
     return repr(outcome)
 
 
@@ -176,6 +226,13 @@ def first_difference(ours: bytes, theirs: bytes) -> str:
     return f"lengths {len(ours)} vs {len(theirs)}"
 
 
+def dict_difference(ours: dict, theirs: dict) -> str:
+    lines = [f"\n  {key}: kvfs {describe(ours.get(key, '<absent>'))}, plain directory "
+             f"{describe(theirs.get(key, '<absent>'))}"
+             for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
+    return "; differing entries:" + "".join(lines)
+
+
 def assert_same(what: str, ours: Any, theirs: Any) -> None:
     if ours == theirs:
         return
@@ -183,6 +240,8 @@ def assert_same(what: str, ours: Any, theirs: Any) -> None:
     if (isinstance(ours, tuple) and isinstance(theirs, tuple) and len(ours) == 2
             and isinstance(ours[1], bytes) and isinstance(theirs[1], bytes)):
         detail = f" ({first_difference(ours[1], theirs[1])})"
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        detail = dict_difference(ours, theirs)
     raise AssertionError(f"{what}: kvfs {describe(ours)}, plain directory "
                          f"{describe(theirs)}{detail}")
 
@@ -197,50 +256,184 @@ def renameat2(source: Path, target: Path, flags: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def summary(st_: os.stat_result) -> tuple:
-    """What must agree between kvfs and a plain directory for one entry."""
-    if stat.S_ISDIR(st_.st_mode):
-        return ("dir", stat.S_IMODE(st_.st_mode), st_.st_uid, st_.st_gid)
-    return (stat.filemode(st_.st_mode), st_.st_uid, st_.st_gid, st_.st_size, st_.st_nlink)
+def round_up(size: int, unit: int = 4096) -> int:
+    return -(-size // unit) * unit
 
 
-def tree(root: Path, contents: bool = False) -> dict[str, tuple]:
-    """Relative path -> summary (and, if asked, digest and user xattrs) of everything below."""
+def round_down(size: int, unit: int = 4096) -> int:
+    return size // unit * unit
+
+
+# -- what is compared --------------------------------------------------------------------------
+
+KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
+         stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "char",
+         stat.S_IFBLK: "block"}
+
+
+def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+    """The (start, end) ranges below `size` that hold data (SEEK_DATA / SEEK_HOLE: what the
+    plain directory's file system says; everything else is a hole)."""
+    ranges: list[tuple[int, int]] = []
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as error:
+            if error.errno == errno.ENXIO:
+                break
+            raise
+        if start >= size:
+            break
+        position = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        ranges.append((start, position))
+    return ranges
+
+
+def data_blocks(path: Path) -> int:
+    """Bytes of the 4 KiB blocks a plain file holds data in: what it must take on kvfs too.
+    (Not st_blocks: ext4 counts its extent tree's blocks there, once they are written back.)"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        blocks: set[int] = set()
+        for start, end in data_ranges(fd, size):
+            blocks.update(range(start // 4096, round_up(end) // 4096))
+        return len(blocks) * 4096
+    finally:
+        os.close(fd)
+
+
+def summary(path: Path, plain: bool, follow: bool = False) -> tuple:
+    """What must agree between kvfs and a plain directory for one entry: type, permission
+    bits, owner; for non-directories size and link count; device numbers, symlink targets,
+    and the bytes a regular file takes (kvfs: st_blocks; plain: its data blocks)."""
+    st_ = os.stat(path, follow_symlinks=follow)
+    kind = KINDS.get(stat.S_IFMT(st_.st_mode), oct(stat.S_IFMT(st_.st_mode)))
+    entry: tuple = (kind, oct(stat.S_IMODE(st_.st_mode)), st_.st_uid, st_.st_gid)
+    if kind == "dir":
+        return entry
+    entry += (f"size={st_.st_size}", f"nlink={st_.st_nlink}")
+    if kind in ("char", "block"):
+        entry += (f"rdev={os.major(st_.st_rdev)},{os.minor(st_.st_rdev)}",)
+    if kind == "symlink":
+        entry += (f"target={os.readlink(path)}",)
+    if kind == "file":
+        taken = data_blocks(path) if plain else st_.st_blocks * 512
+        entry += (f"allocated={taken}",)
+    return entry
+
+
+# Files up to this size are read whole; larger (sparse) ones where the plain file has data,
+# at both ends and around the edges of every hole.
+WHOLE = 4 * MiB
+WINDOW = 64 * KiB
+
+
+def read_plan(plain_path: Path) -> list[tuple[int, int]] | None:
+    """Which ranges of a file to compare, chosen by the plain directory's copy: None when it
+    is not a regular file that can be opened (then both sides are read whole, bounded)."""
+    try:
+        fd = os.open(plain_path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        size = info.st_size
+        if size <= WHOLE:
+            return [(0, size)]
+        wanted = [(0, WINDOW), (size - WINDOW, size)]
+        for start, end in data_ranges(fd, size):
+            wanted.append((round_down(start, WINDOW) - WINDOW, round_up(end, WINDOW) + WINDOW))
+    finally:
+        os.close(fd)
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted((max(0, s), min(size, e)) for s, e in wanted):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def read_planned(path: Path, plan: list[tuple[int, int]] | None) -> Any:
+    """The bytes of `path` the plan names: all of them for a small file, else the digest of
+    each range. Without a plan, the whole file (at most 64 MiB of it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if plan is None or plan == [(0, plan[0][1])] and plan[0][1] <= WHOLE:
+            limit = 64 * MiB if plan is None else plan[0][1] + 1  # one more: a longer file
+            chunks = []
+            while limit > 0 and (chunk := os.read(fd, min(4 * MiB, limit))):
+                chunks.append(chunk)
+                limit -= len(chunk)
+            return b"".join(chunks)
+        digests = []
+        for start, end in plan:
+            digest = hashlib.blake2b(digest_size=8)
+            position = start
+            while position < end:
+                chunk = os.pread(fd, min(4 * MiB, end - position), position)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                position += len(chunk)
+            digests.append((start, position, digest.hexdigest()))
+        return tuple(digests)
+    finally:
+        os.close(fd)
+
+
+def tree(root: Path, plain: bool, contents: bool = False, reference: Path | None = None
+         ) -> dict[str, tuple]:
+    """Relative path -> summary of everything below (lstat: symlinks are not followed), with
+    the names that share its inode, and if asked contents (ranges chosen by the same path
+    below `reference`, the plain directory) and user xattrs."""
     found: dict[str, tuple] = {}
+    inodes: dict[int, list[str]] = {}
     pending = [root]
     while pending:
         directory = pending.pop()
         for name in sorted(os.listdir(directory)):
             path = directory / name
+            relative = str(path.relative_to(root))
             info = os.lstat(path)
-            entry = summary(info)
+            entry = summary(path, plain)
             if contents:
                 if stat.S_ISREG(info.st_mode):
-                    entry += (hashlib.blake2b(path.read_bytes()).hexdigest(),)
-                xattrs = sorted(a for a in os.listxattr(path) if a.startswith("user."))
-                entry += (tuple((a, os.getxattr(path, a)) for a in xattrs),)
-            found[str(path.relative_to(root))] = entry
+                    plan = read_plan((reference or root) / relative)
+                    entry += (describe(read_planned(path, plan)),)
+                xattrs = sorted(a for a in os.listxattr(path, follow_symlinks=False)
+                                if a.startswith("user."))
+                entry += (tuple((a, os.getxattr(path, a, follow_symlinks=False))
+                                for a in xattrs),)
+            found[relative] = entry
             if stat.S_ISDIR(info.st_mode):
                 pending.append(path)
+            else:
+                inodes.setdefault(info.st_ino, []).append(relative)
+    for names in inodes.values():
+        if len(names) > 1:
+            for relative in names:
+                found[relative] += (f"same inode as {sorted(set(names) - {relative})}",)
     return found
 
 
 def clear(root: Path) -> None:
     for name in os.listdir(root):
         path = root / name
-        if path.is_dir():
+        if stat.S_ISDIR(os.lstat(path).st_mode):
             shutil.rmtree(path)
         else:
             path.unlink()
 
 
-def read_all(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
+def write_at(path: Path, flags: int, offset: int, data: bytes, mode: int) -> int:
+    fd = os.open(path, flags | os.O_WRONLY, mode)
     try:
-        chunks = []
-        while chunk := os.read(fd, 4 * MiB):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
 
@@ -249,14 +442,6 @@ def read_at(path: Path, offset: int, length: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.pread(fd, length, offset)
-    finally:
-        os.close(fd)
-
-
-def write_at(path: Path, flags: int, offset: int, data: bytes, mode: int) -> int:
-    fd = os.open(path, flags | os.O_WRONLY, mode)
-    try:
-        return os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
 
@@ -276,43 +461,71 @@ def act(fd: int, action: tuple) -> Any:
     raise AssertionError(kind)
 
 
-def session(path: Path, flags: int, steps: list[tuple], mode: int) -> tuple[list, int | None]:
-    """open, act, close: each call's outcome, and the inode if it was opened for writing."""
+def session(path: Path, flags: int, steps: list[tuple], mode: int) -> tuple[list, bool]:
+    """open, act, close: each call's outcome, and whether it was opened for writing."""
     opened = attempt(os.open, path, flags, mode)
     if opened[0] != "ok":
-        return [("open", opened)], None
+        return [("open", opened)], False
     fd = opened[1]
     results: list = [("open", ("ok", None))]
-    ino = None
     try:
-        if flags & os.O_ACCMODE != os.O_RDONLY:
-            ino = os.fstat(fd).st_ino
         for step in steps:
             results.append((step[0], attempt(act, fd, step)))
     finally:
         results.append(("close", attempt(os.close, fd)))
-    return results, ino
+    return results, flags & os.O_ACCMODE != os.O_RDONLY
 
 
-def round_up(size: int, unit: int = 4096) -> int:
-    return -(-size // unit) * unit
+def bind_socket(path: Path) -> None:
+    """A unix socket bound to `path` (which makes the socket inode), then closed."""
+    assert len(os.fsencode(path)) < 108, f"{path} is too long for a unix socket address"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(os.fspath(path))
+
+
+# The child run as nobody: writes (or truncates) an existing file; prints what it got.
+CHILD = """\
+import os, sys
+path, how, data = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+try:
+    if how == "truncate":
+        os.truncate(path, len(data))
+        result = 0
+    else:
+        flags = {"append": os.O_APPEND, "write": 0, "trunc": os.O_TRUNC}[how]
+        fd = os.open(path, os.O_WRONLY | flags)
+        try:
+            result = os.write(fd, data)
+        finally:
+            os.close(fd)
+except OSError as error:
+    print("error", error.errno)
+else:
+    print("ok", result)
+"""
+
+
+def write_as_nobody(path: Path, how: str, data: bytes) -> int:
+    done = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         CHILD_PYTHON, "-I", "-S", "-c", CHILD, os.fspath(path), how, data.hex()],
+        capture_output=True, text=True, timeout=30, cwd="/")
+    words = done.stdout.split()
+    if done.returncode != 0 or len(words) != 2:
+        raise AssertionError(f"the child running as nobody failed: {done.stderr}")
+    if words[0] == "error":
+        code = int(words[1])
+        raise OSError(code, os.strerror(code))
+    return int(words[1])
 
 
 # -- the state machine -------------------------------------------------------------------------
-
-# kvfs keeps a renamed file's old name for its other writers (README, "Shared temp names") when
-# the renamed file had two writers within WRITERS_WINDOW seconds; the old name then finds the
-# moved file for WRITERS_WINDOW seconds. The test assumes a little longer, to be safe.
-WRITERS_WINDOW = 2.0
-MARGIN = 0.6
 
 
 class KvfsVsPlainDirectory(RuleBasedStateMachine):
     # Set by the test: one mount for the whole run. Kept across examples (kvfs keeps them).
     mount: ClassVar[KvfsMount]
     reference: ClassVar[Path]
-    writer_closes: ClassVar[dict[int, list[float]]]  # kvfs ino -> when writable handles closed
-    old_names: ClassVar[dict[tuple[int, str], float]]  # (kvfs parent ino, name) -> until
 
     def __init__(self) -> None:
         super().__init__()
@@ -329,103 +542,105 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         assert_same(what, ours, theirs)
         return ours
 
-    def kvfs_ino(self, parts: Parts) -> int | None:
-        try:
-            return os.lstat(self.ours.joinpath(*parts)).st_ino
-        except OSError:
-            return None
+    def is_plain(self, root: Path) -> bool:
+        return root == self.theirs
 
-    def shadowed(self, *targets: Parts) -> bool:
-        """Whether a path goes through an old name kvfs still keeps for a renamed file's
-        writers: the one documented case where a name that is gone still answers lookups."""
-        now = time.monotonic()
-        for key in [k for k, until in self.old_names.items() if until <= now]:
-            del self.old_names[key]
-        if not self.old_names:
-            return False
-        root_ino = os.lstat(self.ours).st_ino
-        for parts in targets:
-            parent = root_ino
-            for depth, name in enumerate(parts):
-                if (parent, name) in self.old_names:
-                    note(f"leaving {'/'.join(parts)} alone: {name} is a kept old name")
-                    return True
-                try:
-                    info = os.lstat(self.ours.joinpath(*parts[: depth + 1]))
-                except OSError:
-                    break
-                if not stat.S_ISDIR(info.st_mode):
-                    break
-                parent = info.st_ino
-        return False
-
-    def writer_closed(self, ino: int | None) -> None:
-        if ino is not None:
-            self.writer_closes.setdefault(ino, []).append(time.monotonic())
-
-    def recent_writers(self, ino: int) -> int:
-        since = time.monotonic() - WRITERS_WINDOW - MARGIN
-        return sum(1 for t in self.writer_closes.get(ino, ()) if t > since)
+    def can_open(self, parts: Parts) -> bool:
+        """Whether opening the path is safe on both sides: not a device node (nodev makes
+        kvfs refuse what the plain directory would open) nor a fifo (opening blocks)."""
+        for root in (self.ours, self.theirs):
+            try:
+                kind = stat.S_IFMT(os.stat(root.joinpath(*parts)).st_mode)
+            except OSError:
+                continue
+            if kind in (stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK):
+                return False
+        return True
 
     def compare_file(self, parts: Parts) -> None:
-        self.both(f"read back {'/'.join(parts)}", lambda root: read_all(root.joinpath(*parts)))
+        plan = read_plan(self.theirs.joinpath(*parts))
+        self.both(f"read back {'/'.join(parts)}",
+                  lambda root: read_planned(root.joinpath(*parts), plan))
 
     # -- namespace -------------------------------------------------------------------------
 
     @rule(parts=paths, mode=dir_modes)
     def mkdir(self, parts: Parts, mode: int) -> None:
-        if not self.shadowed(parts):
-            self.both(f"mkdir {'/'.join(parts)}",
-                      lambda root: os.mkdir(root.joinpath(*parts), mode))
+        self.both(f"mkdir {'/'.join(parts)}", lambda root: os.mkdir(root.joinpath(*parts), mode))
 
     @rule(parts=paths)
     def rmdir(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"rmdir {'/'.join(parts)}", lambda root: os.rmdir(root.joinpath(*parts)))
+        self.both(f"rmdir {'/'.join(parts)}", lambda root: os.rmdir(root.joinpath(*parts)))
 
     @rule(parts=paths)
     def unlink(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"unlink {'/'.join(parts)}", lambda root: os.unlink(root.joinpath(*parts)))
+        self.both(f"unlink {'/'.join(parts)}", lambda root: os.unlink(root.joinpath(*parts)))
 
     @rule(source=paths, dest=paths, how=st.sampled_from(["rename", "noreplace", "exchange"]))
     def rename(self, source: Parts, dest: Parts, how: str) -> None:
-        if self.shadowed(source, dest):
-            return
         flags = {"rename": 0, "noreplace": RENAME_NOREPLACE, "exchange": RENAME_EXCHANGE}[how]
-        moved = self.kvfs_ino(source)
-        parent = self.kvfs_ino(source[:-1])
-        is_file = moved is not None and os.path.isfile(self.ours.joinpath(*source))
-        writers = self.recent_writers(moved) if is_file and moved is not None else 0
+        self.both(f"{how} {'/'.join(source)} -> {'/'.join(dest)}",
+                  lambda root: renameat2(root.joinpath(*source), root.joinpath(*dest), flags))
+
+    @rule(parts=paths, text=link_targets)
+    def symlink(self, parts: Parts, text: str) -> None:
+        outcome = self.both(f"symlink {'/'.join(parts)} -> {text}",
+                            lambda root: os.symlink(text, root.joinpath(*parts)))
+        if outcome[0] == "ok":
+            self.both(f"readlink {'/'.join(parts)}",
+                      lambda root: os.readlink(root.joinpath(*parts)))
+
+    @rule(parts=paths)
+    def readlink(self, parts: Parts) -> None:
+        self.both(f"readlink {'/'.join(parts)}", lambda root: os.readlink(root.joinpath(*parts)))
+
+    @rule(source=paths, dest=paths, follow=st.booleans())
+    def link(self, source: Parts, dest: Parts, follow: bool) -> None:
         outcome = self.both(
-            f"{how} {'/'.join(source)} -> {'/'.join(dest)}",
-            lambda root: renameat2(root.joinpath(*source), root.joinpath(*dest), flags))
-        if outcome[0] == "ok" and writers >= 2 and parent is not None and source != dest:
-            self.old_names[(parent, source[-1])] = time.monotonic() + WRITERS_WINDOW + MARGIN
+            f"link {'/'.join(source)} -> {'/'.join(dest)} follow_symlinks={follow}",
+            lambda root: os.link(root.joinpath(*source), root.joinpath(*dest),
+                                 follow_symlinks=follow))
+        if outcome[0] == "ok":
+            for parts in (source, dest):
+                self.both(f"lstat {'/'.join(parts)} after link",
+                          lambda root, parts=parts: summary(root.joinpath(*parts),
+                                                            self.is_plain(root)))
+
+    @rule(parts=paths, mode=file_modes)
+    def mkfifo(self, parts: Parts, mode: int) -> None:
+        self.both(f"mkfifo {'/'.join(parts)} {mode:o}",
+                  lambda root: os.mkfifo(root.joinpath(*parts), mode))
+
+    @rule(parts=paths, kind=st.sampled_from(["S_IFCHR", "S_IFBLK", "S_IFIFO", "S_IFSOCK",
+                                             "S_IFREG"]),
+          mode=st.sampled_from([0o600, 0o644, 0o666]), device=device_numbers)
+    def mknod(self, parts: Parts, kind: str, mode: int, device: tuple[int, int]) -> None:
+        bits = getattr(stat, kind) | mode
+        self.both(f"mknod {'/'.join(parts)} {kind} {mode:o} {device}",
+                  lambda root: os.mknod(root.joinpath(*parts), bits, os.makedev(*device)))
+
+    @rule(parts=paths)
+    def bind(self, parts: Parts) -> None:
+        self.both(f"bind a unix socket to {'/'.join(parts)}",
+                  lambda root: bind_socket(root.joinpath(*parts)))
 
     @rule(parts=paths)
     def listdir(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"listdir {'/'.join(parts)}",
-                      lambda root: sorted(os.listdir(root.joinpath(*parts))))
+        self.both(f"listdir {'/'.join(parts)}",
+                  lambda root: sorted(os.listdir(root.joinpath(*parts))))
 
-    @rule(parts=paths)
-    def stat_path(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"stat {'/'.join(parts)}",
-                      lambda root: summary(os.stat(root.joinpath(*parts))))
+    @rule(parts=paths, follow=st.booleans())
+    def stat_path(self, parts: Parts, follow: bool) -> None:
+        self.both(f"{'stat' if follow else 'lstat'} {'/'.join(parts)}",
+                  lambda root: summary(root.joinpath(*parts), self.is_plain(root), follow))
 
-    @rule(parts=paths, mode=file_modes)
+    @rule(parts=paths, mode=chmod_modes)
     def chmod(self, parts: Parts, mode: int) -> None:
-        if not self.shadowed(parts):
-            self.both(f"chmod {'/'.join(parts)} {mode:o}",
-                      lambda root: os.chmod(root.joinpath(*parts), mode))
+        self.both(f"chmod {'/'.join(parts)} {mode:o}",
+                  lambda root: os.chmod(root.joinpath(*parts), mode))
 
     @rule(parts=paths, mtime=st.integers(0, 2_000_000_000 * 10**9))
     def utime(self, parts: Parts, mtime: int) -> None:
-        if self.shadowed(parts):
-            return
-
         def set_and_get(root: Path) -> int:
             path = root.joinpath(*parts)
             os.utime(path, ns=(mtime, mtime))
@@ -438,49 +653,66 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
     @rule(parts=paths, flags=write_flags, offset=offsets, payload=payloads, mode=file_modes)
     def write(self, parts: Parts, flags: tuple[str, ...], offset: int, payload: Payload,
               mode: int) -> None:
-        if self.shadowed(parts):
+        if not self.can_open(parts):
             return
         data = payload.data()
         outcome = self.both(
             f"write {'/'.join(parts)} {flags} at {offset} {payload}",
             lambda root: write_at(root.joinpath(*parts), flags_of(flags), offset, data, mode))
         if outcome[0] == "ok":
-            self.writer_closed(self.kvfs_ino(parts))
             self.compare_file(parts)
 
     @rule(parts=paths, flags=open_flags, steps=actions, mode=file_modes)
     def open_act_close(self, parts: Parts, flags: tuple[str, ...], steps: list[tuple],
                        mode: int) -> None:
-        if self.shadowed(parts):
+        if not self.can_open(parts):
             return
-        ours, ino = session(self.ours.joinpath(*parts), flags_of(flags), steps, mode)
+        ours, wrote = session(self.ours.joinpath(*parts), flags_of(flags), steps, mode)
         theirs, _ = session(self.theirs.joinpath(*parts), flags_of(flags), steps, mode)
-        self.writer_closed(ino)
         for index, (mine, other) in enumerate(zip(ours, theirs, strict=False)):
             assert_same(f"open {'/'.join(parts)} {flags}: call {index} {mine[0]}", mine, other)
         assert len(ours) == len(theirs)
-        if ino is not None:
+        if wrote:
             self.compare_file(parts)
 
     @rule(parts=paths, size=sizes)
     def truncate(self, parts: Parts, size: int) -> None:
-        if self.shadowed(parts):
+        if not self.can_open(parts):
             return
-        ino = self.kvfs_ino(parts)
         outcome = self.both(f"truncate {'/'.join(parts)} {size}",
                             lambda root: os.truncate(root.joinpath(*parts), size))
         if outcome[0] == "ok":
-            self.writer_closed(ino)  # kvfs truncates through a write handle of its own
+            self.compare_file(parts)
+
+    @rule(parts=paths, mode=shared_modes, how=st.sampled_from(["append", "write", "trunc",
+                                                               "truncate"]),
+          data=st.binary(max_size=40))
+    def write_as_another_user(self, parts: Parts, mode: int, how: str, data: bytes) -> None:
+        """nobody writes to (or truncates) a file everyone may write: setuid goes, setgid
+        goes if group-executable, on both sides alike."""
+        if not self.can_open(parts):
+            return
+        chmodded = self.both(f"chmod {'/'.join(parts)} {mode:o}",
+                             lambda root: os.chmod(root.joinpath(*parts), mode))
+        if chmodded[0] != "ok":
+            return
+        outcome = self.both(f"nobody {how} {'/'.join(parts)} {data!r}",
+                            lambda root: write_as_nobody(root.joinpath(*parts), how, data))
+        self.both(f"stat {'/'.join(parts)} after nobody's {how}",
+                  lambda root: summary(root.joinpath(*parts), self.is_plain(root), True))
+        if outcome[0] == "ok":
             self.compare_file(parts)
 
     @rule(parts=paths)
     def read_whole(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"read {'/'.join(parts)}", lambda root: read_all(root.joinpath(*parts)))
+        if self.can_open(parts):
+            plan = read_plan(self.theirs.joinpath(*parts))
+            self.both(f"read {'/'.join(parts)}",
+                      lambda root: read_planned(root.joinpath(*parts), plan))
 
     @rule(parts=paths, offset=offsets, length=st.integers(0, 2 * MiB))
     def read_part(self, parts: Parts, offset: int, length: int) -> None:
-        if not self.shadowed(parts):
+        if self.can_open(parts):
             self.both(f"pread {'/'.join(parts)} {length} at {offset}",
                       lambda root: read_at(root.joinpath(*parts), offset, length))
 
@@ -489,54 +721,62 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
     @rule(parts=paths, name=xattr_names, value=st.binary(max_size=40),
           flags=st.sampled_from([0, XATTR_CREATE, XATTR_REPLACE]))
     def setxattr(self, parts: Parts, name: str, value: bytes, flags: int) -> None:
-        if not self.shadowed(parts):
-            self.both(f"setxattr {'/'.join(parts)} {name} flags={flags}",
-                      lambda root: os.setxattr(root.joinpath(*parts), name, value, flags))
+        self.both(f"setxattr {'/'.join(parts)} {name} flags={flags}",
+                  lambda root: os.setxattr(root.joinpath(*parts), name, value, flags))
 
     @rule(parts=paths, name=xattr_names)
     def getxattr(self, parts: Parts, name: str) -> None:
-        if not self.shadowed(parts):
-            self.both(f"getxattr {'/'.join(parts)} {name}",
-                      lambda root: os.getxattr(root.joinpath(*parts), name))
+        self.both(f"getxattr {'/'.join(parts)} {name}",
+                  lambda root: os.getxattr(root.joinpath(*parts), name))
 
     @rule(parts=paths)
     def listxattr(self, parts: Parts) -> None:
-        if not self.shadowed(parts):
-            self.both(f"listxattr {'/'.join(parts)}",
-                      lambda root: sorted(a for a in os.listxattr(root.joinpath(*parts))
-                                          if a.startswith("user.")))
+        self.both(f"listxattr {'/'.join(parts)}",
+                  lambda root: sorted(a for a in os.listxattr(root.joinpath(*parts))
+                                      if a.startswith("user.")))
 
     @rule(parts=paths, name=xattr_names)
     def removexattr(self, parts: Parts, name: str) -> None:
-        if not self.shadowed(parts):
-            self.both(f"removexattr {'/'.join(parts)} {name}",
-                      lambda root: os.removexattr(root.joinpath(*parts), name))
+        self.both(f"removexattr {'/'.join(parts)} {name}",
+                  lambda root: os.removexattr(root.joinpath(*parts), name))
 
     # -- whole trees -----------------------------------------------------------------------
 
     @invariant()
     def same_tree(self) -> None:
-        assert_same("tree (types, modes, owners, file sizes)", tree(self.ours),
-                    tree(self.theirs))
+        assert_same("tree (types, modes, owners, sizes, links, targets, allocation)",
+                    tree(self.ours, plain=False), tree(self.theirs, plain=True))
+
+    @invariant()
+    def counters_exact(self) -> None:
+        assert_counters_exact(self.mount.mountpoint, self.mount.data)
 
     @rule()
     def same_contents(self) -> None:
-        assert_same("tree with contents and xattrs", tree(self.ours, contents=True),
-                    tree(self.theirs, contents=True))
+        assert_same("tree with contents and xattrs",
+                    tree(self.ours, plain=False, contents=True, reference=self.theirs),
+                    tree(self.theirs, plain=True, contents=True))
 
     def teardown(self) -> None:
         try:
             self.same_contents()
-            # Space: what statvfs says is used is exactly what the files hold, nothing is
-            # left staged, and an emptied volume uses nothing.
-            files = sum(os.lstat(self.ours / relative).st_size
-                        for relative, entry in tree(self.ours).items() if entry[0] != "dir")
-            assert statvfs_used(self.ours) == round_up(files)
+            # Space: statvfs shows the used bytes the counters hold (in its 4 KiB blocks),
+            # which are what the files take (each inode once, however many names it has),
+            # and nothing is left staged.
+            used = stats(self.ours)["used_bytes"]
+            assert statvfs_used(self.ours) == round_up(used)
+            taken = {os.lstat(self.ours / relative).st_ino:
+                     os.lstat(self.ours / relative).st_blocks * 512
+                     for relative, entry in tree(self.ours, plain=False).items()
+                     if entry[0] == "file"}
+            assert used == sum(taken.values())
             assert list((self.mount.data / "staging").iterdir()) == []
         finally:
             clear(self.ours)
             clear(self.theirs)
+        # An emptied volume uses nothing.
         assert statvfs_used(self.ours) == 0
+        assert_counters_exact(self.mount.mountpoint, self.mount.data)
 
 
 def statvfs_used(root: Path) -> int:
@@ -547,29 +787,39 @@ def statvfs_used(root: Path) -> int:
 # -- the test ----------------------------------------------------------------------------------
 
 
+@dataclass
+class Roots:
+    mount: KvfsMount
+    plain: Path
+
+
 @pytest.fixture(scope="module")
-def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvfsMount]:
-    base = tmp_path_factory.mktemp("differential")
-    (base / "mnt").mkdir()
-    mount = KvfsMount(base / "mnt", base / "data", ["--capacity", "1G"])
+def roots() -> Iterator[Roots]:
+    """A kvfs mount (--allow-other) and a plain directory, both in a 0755 directory under
+    /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them."""
+    base = Path(tempfile.mkdtemp(prefix="kvfs-differential-", dir="/var/tmp"))
     try:
-        mount.mount()
-        yield mount
-        mount.unmount()
+        base.chmod(0o755)
+        (base / "mnt").mkdir()
+        plain = base / "plain"
+        plain.mkdir()
+        plain.chmod(0o755)
+        mount = KvfsMount(base / "mnt", base / "data", ["--capacity", "1G", "--allow-other"])
+        try:
+            mount.mount()
+            yield Roots(mount, plain)
+            mount.unmount()
+        finally:
+            mount.cleanup()
     finally:
-        mount.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.timeout(0 if PROFILE == "long" else 300)
-def test_kvfs_behaves_like_a_plain_directory(shared_mount: KvfsMount,
-                                             tmp_path: Path) -> None:
-    reference = tmp_path / "plain"
-    reference.mkdir()
-    KvfsVsPlainDirectory.mount = shared_mount
-    KvfsVsPlainDirectory.reference = reference
-    KvfsVsPlainDirectory.writer_closes = {}
-    KvfsVsPlainDirectory.old_names = {}
-    old_umask = os.umask(0o022)  # the same for both sides, whatever the caller's
+def test_kvfs_behaves_like_a_plain_directory(roots: Roots) -> None:
+    KvfsVsPlainDirectory.mount = roots.mount
+    KvfsVsPlainDirectory.reference = roots.plain
+    old_umask = os.umask(0o022)  # the same for both sides (and nobody's), whatever the caller's
     try:
         run_state_machine_as_test(KvfsVsPlainDirectory, settings=SETTINGS)
     finally:
