@@ -425,6 +425,19 @@ def tree(root: Path, plain: bool, contents: bool = False, reference: Path | None
     return found
 
 
+def names_below(root: Path) -> list[Parts]:
+    """Every path below `root` (not following symlinks), as parts."""
+    found: list[Parts] = []
+    pending: list[Parts] = [()]
+    while pending:
+        parts = pending.pop()
+        for name in sorted(os.listdir(root.joinpath(*parts))):
+            found.append((*parts, name))
+            if stat.S_ISDIR(os.lstat(root.joinpath(*parts, name)).st_mode):
+                pending.append((*parts, name))
+    return sorted(found)
+
+
 def clear(root: Path) -> None:
     for name in os.listdir(root):
         path = root / name
@@ -561,6 +574,12 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
                 return False
         return True
 
+    def pick(self, data: st.DataObject, label: str = "path") -> Parts:
+        """A path that exists about half the time (there are few), else any."""
+        existing = names_below(self.theirs)
+        choice = st.one_of(st.sampled_from(existing), paths) if existing else paths
+        return data.draw(choice, label=label)
+
     def compare_file(self, parts: Parts) -> None:
         plan = read_plan(self.theirs.joinpath(*parts))
         self.both(f"read back {'/'.join(parts)}",
@@ -576,12 +595,14 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
     def rmdir(self, parts: Parts) -> None:
         self.both(f"rmdir {'/'.join(parts)}", lambda root: os.rmdir(root.joinpath(*parts)))
 
-    @rule(parts=paths)
-    def unlink(self, parts: Parts) -> None:
+    @rule(data=st.data())
+    def unlink(self, data: st.DataObject) -> None:
+        parts = self.pick(data)
         self.both(f"unlink {'/'.join(parts)}", lambda root: os.unlink(root.joinpath(*parts)))
 
-    @rule(source=paths, dest=paths, how=st.sampled_from(["rename", "noreplace", "exchange"]))
-    def rename(self, source: Parts, dest: Parts, how: str) -> None:
+    @rule(data=st.data(), how=st.sampled_from(["rename", "noreplace", "exchange"]))
+    def rename(self, data: st.DataObject, how: str) -> None:
+        source, dest = self.pick(data, "source"), self.pick(data, "dest")
         flags = {"rename": 0, "noreplace": RENAME_NOREPLACE, "exchange": RENAME_EXCHANGE}[how]
         self.both(f"{how} {'/'.join(source)} -> {'/'.join(dest)}",
                   lambda root: renameat2(root.joinpath(*source), root.joinpath(*dest), flags))
@@ -594,12 +615,14 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
             self.both(f"readlink {'/'.join(parts)}",
                       lambda root: os.readlink(root.joinpath(*parts)))
 
-    @rule(parts=paths)
-    def readlink(self, parts: Parts) -> None:
+    @rule(data=st.data())
+    def readlink(self, data: st.DataObject) -> None:
+        parts = self.pick(data)
         self.both(f"readlink {'/'.join(parts)}", lambda root: os.readlink(root.joinpath(*parts)))
 
-    @rule(source=paths, dest=paths, follow=st.booleans())
-    def link(self, source: Parts, dest: Parts, follow: bool) -> None:
+    @rule(data=st.data(), follow=st.booleans())
+    def link(self, data: st.DataObject, follow: bool) -> None:
+        source, dest = self.pick(data, "source"), self.pick(data, "dest")
         outcome = self.both(
             f"link {'/'.join(source)} -> {'/'.join(dest)} follow_symlinks={follow}",
             lambda root: os.link(root.joinpath(*source), root.joinpath(*dest),
@@ -633,13 +656,15 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         self.both(f"listdir {'/'.join(parts)}",
                   lambda root: sorted(os.listdir(root.joinpath(*parts))))
 
-    @rule(parts=paths, follow=st.booleans())
-    def stat_path(self, parts: Parts, follow: bool) -> None:
+    @rule(data=st.data(), follow=st.booleans())
+    def stat_path(self, data: st.DataObject, follow: bool) -> None:
+        parts = self.pick(data)
         self.both(f"{'stat' if follow else 'lstat'} {'/'.join(parts)}",
                   lambda root: summary(root.joinpath(*parts), self.is_plain(root), follow))
 
-    @rule(parts=paths, mode=chmod_modes)
-    def chmod(self, parts: Parts, mode: int) -> None:
+    @rule(data=st.data(), mode=chmod_modes)
+    def chmod(self, data: st.DataObject, mode: int) -> None:
+        parts = self.pick(data)
         self.both(f"chmod {'/'.join(parts)} {mode:o}",
                   lambda root: os.chmod(root.joinpath(*parts), mode))
 
@@ -654,21 +679,24 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
 
     # -- file content ----------------------------------------------------------------------
 
-    @rule(parts=paths, flags=write_flags, offset=offsets, payload=payloads, mode=file_modes)
-    def write(self, parts: Parts, flags: tuple[str, ...], offset: int, payload: Payload,
+    @rule(data=st.data(), flags=write_flags, offset=offsets, payload=payloads, mode=file_modes)
+    def write(self, data: st.DataObject, flags: tuple[str, ...], offset: int, payload: Payload,
               mode: int) -> None:
+        parts = self.pick(data)
         if not self.can_open(parts):
             return
-        data = payload.data()
+        content = payload.data()
         outcome = self.both(
             f"write {'/'.join(parts)} {flags} at {offset} {payload}",
-            lambda root: write_at(root.joinpath(*parts), flags_of(flags), offset, data, mode))
+            lambda root: write_at(root.joinpath(*parts), flags_of(flags), offset, content,
+                                  mode))
         if outcome[0] == "ok":
             self.compare_file(parts)
 
-    @rule(parts=paths, flags=open_flags, steps=actions, mode=file_modes)
-    def open_act_close(self, parts: Parts, flags: tuple[str, ...], steps: list[tuple],
+    @rule(data=st.data(), flags=open_flags, steps=actions, mode=file_modes)
+    def open_act_close(self, data: st.DataObject, flags: tuple[str, ...], steps: list[tuple],
                        mode: int) -> None:
+        parts = self.pick(data)
         if not self.can_open(parts):
             return
         ours, wrote = session(self.ours.joinpath(*parts), flags_of(flags), steps, mode)
@@ -679,8 +707,9 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         if wrote:
             self.compare_file(parts)
 
-    @rule(parts=paths, size=sizes)
-    def truncate(self, parts: Parts, size: int) -> None:
+    @rule(data=st.data(), size=sizes)
+    def truncate(self, data: st.DataObject, size: int) -> None:
+        parts = self.pick(data)
         if not self.can_open(parts):
             return
         outcome = self.both(f"truncate {'/'.join(parts)} {size}",
@@ -688,43 +717,48 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         if outcome[0] == "ok":
             self.compare_file(parts)
 
-    @rule(parts=paths, mode=shared_modes, how=st.sampled_from(["append", "write", "trunc",
-                                                               "truncate"]),
-          data=st.binary(max_size=40))
-    def write_as_another_user(self, parts: Parts, mode: int, how: str, data: bytes) -> None:
+    @rule(data=st.data(), mode=shared_modes,
+          how=st.sampled_from(["append", "write", "trunc", "truncate"]),
+          content=st.binary(max_size=40))
+    def write_as_another_user(self, data: st.DataObject, mode: int, how: str,
+                              content: bytes) -> None:
         """nobody writes to (or truncates) a file everyone may write: setuid goes, setgid
         goes if group-executable, on both sides alike."""
+        parts = self.pick(data)
         if not self.can_open(parts):
             return
         chmodded = self.both(f"chmod {'/'.join(parts)} {mode:o}",
                              lambda root: os.chmod(root.joinpath(*parts), mode))
         if chmodded[0] != "ok":
             return
-        outcome = self.both(f"nobody {how} {'/'.join(parts)} {data!r}",
-                            lambda root: write_as_nobody(root.joinpath(*parts), how, data))
+        outcome = self.both(f"nobody {how} {'/'.join(parts)} {content!r}",
+                            lambda root: write_as_nobody(root.joinpath(*parts), how, content))
         self.both(f"stat {'/'.join(parts)} after nobody's {how}",
                   lambda root: summary(root.joinpath(*parts), self.is_plain(root), True))
         if outcome[0] == "ok":
             self.compare_file(parts)
 
-    @rule(parts=paths)
-    def read_whole(self, parts: Parts) -> None:
+    @rule(data=st.data())
+    def read_whole(self, data: st.DataObject) -> None:
+        parts = self.pick(data)
         if self.can_open(parts):
             plan = read_plan(self.theirs.joinpath(*parts))
             self.both(f"read {'/'.join(parts)}",
                       lambda root: read_planned(root.joinpath(*parts), plan))
 
-    @rule(parts=paths, offset=offsets, length=st.integers(0, 2 * MiB))
-    def read_part(self, parts: Parts, offset: int, length: int) -> None:
+    @rule(data=st.data(), offset=offsets, length=st.integers(0, 2 * MiB))
+    def read_part(self, data: st.DataObject, offset: int, length: int) -> None:
+        parts = self.pick(data)
         if self.can_open(parts):
             self.both(f"pread {'/'.join(parts)} {length} at {offset}",
                       lambda root: read_at(root.joinpath(*parts), offset, length))
 
     # -- xattrs ----------------------------------------------------------------------------
 
-    @rule(parts=paths, name=xattr_names, value=st.binary(max_size=40),
+    @rule(data=st.data(), name=xattr_names, value=st.binary(max_size=40),
           flags=st.sampled_from([0, XATTR_CREATE, XATTR_REPLACE]))
-    def setxattr(self, parts: Parts, name: str, value: bytes, flags: int) -> None:
+    def setxattr(self, data: st.DataObject, name: str, value: bytes, flags: int) -> None:
+        parts = self.pick(data)
         self.both(f"setxattr {'/'.join(parts)} {name} flags={flags}",
                   lambda root: os.setxattr(root.joinpath(*parts), name, value, flags))
 
