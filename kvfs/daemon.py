@@ -221,6 +221,7 @@ class Daemon:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
         self.meta.touch(self.space.take_uses())
+        self.files.reap_remaining()
         self.meta.flush_reaped()
         self.meta.env.sync(True)
         self.meta.close()

@@ -107,14 +107,19 @@ class DataStore:
         _unlink_quietly(self.staging_path(blob_id))
 
     def open_blob(self, blob_id: int) -> int:
-        """Open a committed blob: published, or still in staging/ if publishing failed."""
+        """Open a committed blob: published, or still in staging/ (being published, or
+        publishing failed). It moves atomically from one to the other: looked for in blobs/,
+        staging/, then blobs/ again."""
         try:
             return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as published_error:
             try:
                 return os.open(self.staging_path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise published_error from None
+                try:
+                    return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise published_error from None
 
     @staticmethod
     def will_read(fd: int) -> None:

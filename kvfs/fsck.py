@@ -82,6 +82,7 @@ class Checker:
 
     def _check_entries(self, inodes: dict[int, Inode], repair: bool) -> None:
         linked = {ROOT_INO}
+        names: dict[int, int] = {}
         for parent, name, ino in self.meta.entries():
             if ino not in inodes or parent not in inodes:
                 self.report(f"entry {name!r} in directory {parent} names missing inode {ino}")
@@ -89,6 +90,14 @@ class Checker:
                     self.meta.remove_entry(parent, name, ino)
             else:
                 linked.add(ino)
+                names[ino] = names.get(ino, 0) + 1
+        for ino, count in names.items():
+            inode = inodes[ino]
+            if not inode.is_dir and inode.nlink != count:
+                self.report(f"{inode.name!r} (inode {ino}) has {count} names, nlink "
+                            f"{inode.nlink}")
+                if repair:
+                    self.meta.set_nlink(ino, count)
         for ino in inodes.keys() - linked:
             self.report(f"inode {ino} ({inodes[ino].name!r}) is in no directory")
             if repair:

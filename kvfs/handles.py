@@ -109,6 +109,10 @@ class FileTable:
         self._next_fh = count(1)
         self._blob_ids: range = range(0)
         self._doomed: list[int] = []  # blobs whose data files the reaper deletes
+        # Committed blobs a flush is still moving into blobs/, and those of them replaced
+        # meanwhile: deleted only once their publishing is over.
+        self._publishing: set[int] = set()
+        self._doomed_when_published: set[int] = set()
         self._reap_wanted = trio.Event()
 
     # -- attributes ----------------------------------------------------------------------
@@ -133,9 +137,11 @@ class FileTable:
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
             inode = await self.truncate_path(inode, 0, uid)
-        if writable and await self._wait_for_page_cache_readers(inode.ino):
-            inode = self.meta.get(inode.ino)  # it may have changed meanwhile
-        blob = self.meta.blob(inode.blob) if inode.blob else None
+        if writable:
+            await self._wait_for_page_cache_readers(inode.ino)
+        # Read again, with its blob record in one snapshot: commits run in worker threads,
+        # so it may have changed since the lookup.
+        inode, blob = self.meta.content(inode.ino)
         fd = self._open_blob(inode, blob)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, kill_privs=writable and uid != 0)
@@ -163,12 +169,12 @@ class FileTable:
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
-    async def _wait_for_page_cache_readers(self, ino: int) -> bool:
+    async def _wait_for_page_cache_readers(self, ino: int) -> None:
         """Let page-cache readers of `ino` finish before a writer changes the kernel's view
-        of it; returns whether there was anything to wait for."""
+        of it."""
         state = self._open.get(ino)
         if state is None or not state.page_cache_readers():
-            return False
+            return
         state.writers_waiting += 1
         try:
             with trio.move_on_after(WRITER_WAIT_SECONDS):
@@ -180,7 +186,6 @@ class FileTable:
                 log.info("writer of %r proceeds with readers still open", state.inode.name)
         finally:
             state.writers_waiting -= 1
-        return True
 
     def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
@@ -237,10 +242,20 @@ class FileTable:
         self.free_blob(inode.blob)
 
     def free_blob(self, blob_id: int) -> None:
-        if blob_id:
-            self.cache.drop_blob(blob_id)
-            self._doomed.append(blob_id)
-            self._reap_wanted.set()
+        if not blob_id:
+            return
+        self.cache.drop_blob(blob_id)
+        if blob_id in self._publishing:
+            self._doomed_when_published.add(blob_id)
+            return
+        self._doomed.append(blob_id)
+        self._reap_wanted.set()
+
+    def _publishing_over(self, blob_id: int) -> None:
+        self._publishing.discard(blob_id)
+        if blob_id in self._doomed_when_published:
+            self._doomed_when_published.discard(blob_id)
+            self.free_blob(blob_id)
 
     async def run_reaper(self) -> None:
         """Background: delete the data files of doomed blobs in a worker thread."""
@@ -254,6 +269,12 @@ class FileTable:
                 self.stats.background_errors += 1
                 log.exception("deleting %d data files failed; recovery retries them",
                               len(doomed))
+
+    def reap_remaining(self) -> None:
+        """At unmount: delete what the reaper had not reached yet."""
+        doomed = self._doomed + sorted(self._doomed_when_published)
+        self._doomed, self._doomed_when_published = [], set()
+        self._reap(doomed)
 
     def _reap(self, doomed: list[int]) -> None:
         for blob_id in doomed:
@@ -356,16 +377,20 @@ class FileTable:
             if not staged.committed and not await self._commit(handle, staged):
                 return False
             await trio.to_thread.run_sync(staged.publish)
+            self._publishing_over(staged.blob_id)
             staged.close()
             handle.staged = None
             return True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
+        # Marked before the commit: another writer's commit may replace it at once.
+        self._publishing.add(staged.blob_id)
         try:
             blob, inode, old_blob = await trio.to_thread.run_sync(
                 self._finish_and_commit, handle.ino, staged)
-        except FsError as error:
-            if error.errno != errno.ENOENT:
+        except BaseException as error:
+            self._publishing_over(staged.blob_id)
+            if not isinstance(error, FsError) or error.errno != errno.ENOENT:
                 raise
             self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
@@ -373,9 +398,9 @@ class FileTable:
         self.space.inflight -= staged.physical  # now counted in the metadata's used bytes
         self.free_blob(old_blob)
         # Later writes on this handle start from what it just committed.
-        if handle.fd is not None:
-            os.close(handle.fd)
-        handle.fd = self.data.open_blob(staged.blob_id)
+        old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
+        if old_fd is not None:
+            os.close(old_fd)
         handle.blob, handle.version = blob, inode.version
         self._open[handle.ino].inode = inode
         self.stats.commits += 1
@@ -397,6 +422,7 @@ class FileTable:
             except OSError as error:  # readers find it in staging/; recovery publishes it
                 self.stats.volume_errors += 1
                 log.error("publishing blob %016x failed: %s", staged.blob_id, error)
+            self._publishing_over(staged.blob_id)
         else:
             self.space.inflight -= staged.physical
         staged.discard()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import stat
 import struct
+import threading
 import time
 import zlib
 from array import array
@@ -198,7 +199,10 @@ class MetaStore:
                              readahead=False, readonly=readonly, lock=True)
         self._db = {family: self.env.open_db(family.encode(), create=not readonly)
                     for family in FAMILIES}
-        self._reaped: list[int] = []  # doomed blobs already deleted, dropped at the next commit
+        # Doomed blobs whose files are deleted: their records go with the next commit. Threads
+        # add to it and commit concurrently, so it is a set under a lock.
+        self._reaped: set[int] = set()
+        self._reaped_lock = threading.Lock()
         if readonly:
             return
         with self.env.begin(write=True) as txn:
@@ -223,18 +227,27 @@ class MetaStore:
         self._set_counter(txn, "next_blob", 1)
 
     def _migrate_from_v1(self, txn: lmdb.Transaction) -> None:
-        """kvfs-1 records: no rdev, allocation or cookies; one name per inode."""
+        """kvfs-1 records: no rdev, allocation or cookies; one name per inode. A file's
+        allocation is taken as its size in whole 4 KiB blocks."""
         old_inode, old_blob = struct.Struct("<IIIIQqqqQQQ"), struct.Struct("<QQI")
+        allocated: dict[int, int] = {}
         for key, raw in list(txn.cursor(db=self._db["blob"])):
             ino, size, block_size = old_blob.unpack_from(raw)
-            txn.put(key, _BLOB.pack(ino, size, size, block_size, 0) + raw[old_blob.size:],
-                    db=self._db["blob"])
+            allocated[ino] = -(-size // 4096) * 4096
+            txn.put(key, _BLOB.pack(ino, size, allocated[ino], block_size, 0)
+                    + raw[old_blob.size:], db=self._db["blob"])
         for key, raw in list(txn.cursor(db=self._db["inode"])):
             mode, nlink, uid, gid, size, *times, parent, blob, version = \
                 old_inode.unpack_from(raw)
-            inode = Inode(from_u64(key), mode, nlink, uid, gid, 0, size, size, *times, parent,
-                          blob, version, bytes(raw[old_inode.size:]))
+            ino = from_u64(key)
+            inode = Inode(ino, mode, nlink, uid, gid, 0, size, allocated.get(ino, 0), *times,
+                          parent, blob, version, bytes(raw[old_inode.size:]))
             self._put(txn, inode)
+        self._set_counter(txn, "used_bytes", sum(allocated.values()))
+        for model in list(txn.cursor(db=self._db["models"]).iternext(values=False)):
+            txn.delete(model, db=self._db["models"])
+        for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.cursor(db=self._db["inode"])]:
+            self._count_model(txn, inode, inode.name, 1, inode.allocated)
         for key, child in list(txn.cursor(db=self._db["dentry"])):
             txn.put(key, child + child, db=self._db["dentry"])  # the cookie is the child ino
             txn.put(child + key, b"", db=self._db["links"])
@@ -244,12 +257,19 @@ class MetaStore:
 
     # -- small helpers -------------------------------------------------------------------
 
-    def _begin_write(self) -> lmdb.Transaction:
+    def _begin_write(self) -> tuple[lmdb.Transaction, set[int]]:
+        """A write transaction that also deletes the records of reaped blobs; returns them,
+        to be forgotten once it commits."""
         txn = self.env.begin(write=True)
-        doomed = self._db["doomed"]
-        for blob_id in self._reaped:
-            txn.delete(u64(blob_id), db=doomed)
-        return txn
+        with self._reaped_lock:
+            taken = set(self._reaped)
+        for blob_id in taken:
+            txn.delete(u64(blob_id), db=self._db["doomed"])
+        return txn, taken
+
+    def _forget_reaped(self, taken: set[int]) -> None:
+        with self._reaped_lock:
+            self._reaped -= taken
 
     def _write(self) -> _WriteTxn:
         return _WriteTxn(self)
@@ -400,12 +420,14 @@ class MetaStore:
             raise fail(errno.EINVAL)
         return bytes(target)
 
-    def blob(self, blob_id: int) -> BlobInfo:
+    def content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+        """An inode and the record of its blob, from one snapshot."""
         with self.env.begin() as txn:
-            raw = txn.get(u64(blob_id), db=self._db["blob"])
-        if raw is None:
+            inode = self._get(txn, ino)
+            raw = txn.get(u64(inode.blob), db=self._db["blob"]) if inode.blob else None
+        if inode.blob and raw is None:
             raise fail(errno.EIO)
-        return BlobInfo.unpack(blob_id, raw)
+        return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
     def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
@@ -767,6 +789,11 @@ class MetaStore:
         with self._write() as txn:
             self._unlink(txn, parent, name, ino)
 
+    def set_nlink(self, ino: int, nlink: int) -> None:
+        """fsck: set a file's link count to the number of its names."""
+        with self._write() as txn:
+            self._put(txn, replace(self._get(txn, ino), nlink=nlink))
+
     def forget_blob(self, blob_id: int) -> None:
         """fsck: delete a blob record no inode points at (its data file goes with it)."""
         with self._write() as txn:
@@ -785,7 +812,8 @@ class MetaStore:
 
     def reaped(self, blob_ids: list[int]) -> None:
         """Doomed blobs whose files are gone; their records go with the next commit."""
-        self._reaped.extend(blob_ids)
+        with self._reaped_lock:
+            self._reaped.update(blob_ids)
 
     def flush_reaped(self) -> None:
         with self._write():
@@ -879,8 +907,7 @@ class _WriteTxn:
         self.store = store
 
     def __enter__(self) -> lmdb.Transaction:
-        self.reaped = len(self.store._reaped)  # forgotten only once this commit lands
-        self.txn = self.store._begin_write()
+        self.txn, self.reaped = self.store._begin_write()
         return self.txn
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
@@ -893,4 +920,4 @@ class _WriteTxn:
             self.txn.commit()
         except lmdb.MapFullError as full:
             raise fail(errno.ENOSPC) from full
-        del self.store._reaped[: self.reaped]
+        self.store._forget_reaped(self.reaped)

@@ -37,6 +37,7 @@ unmounted and every process the soak started is ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
@@ -55,6 +56,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvfs.meta import MetaStore, recount
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -347,7 +350,8 @@ def unlink_open(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
 
 def shared_tmp_writer(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
     """LMCache's fs plugin: every writer of a chunk writes <key>.tmp, closes and renames it to
-    <key>.data; writers of one chunk share the temp name. Every rename must succeed. Like
+    <key>.data; writers of one chunk share the temp name. The first rename moves it, a later
+    one finds no temp name (ENOENT, as on any filesystem: counted, not an error). Like
     LMCache instances storing the same new prompt, each writer stores each key once (a name
     rewritten again while another writer still renames it is a race of any filesystem)."""
     version, step = spec["index"], spec["writers"]
@@ -365,6 +369,8 @@ def shared_tmp_writer(root: Path, spec: dict, rng: random.Random, say: Say) -> N
         write_file(temp, make_content(final, version, sizes(rng, MiB)), rng, pause=0.003)
         try:
             os.rename(temp, root / final)
+        except FileNotFoundError:
+            say("renamed-by-another", final, version)
         except OSError as error:
             say("BAD", f"rename k{key}.tmp -> k{key}.data failed: {errname(error)}")
         else:
@@ -570,9 +576,24 @@ class Soak:
         for problem in problems:
             self.error(kind, problem)
 
+    def counters(self) -> tuple[tuple, tuple]:
+        """(used bytes, files, per-model usage) as .kvfs/stats shows them, and as a recount of
+        the metadata (read-only, beside the daemon) says."""
+        stats = json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
+        meta = MetaStore(self.data / "meta", readonly=True)
+        try:
+            counted = recount(meta)
+        finally:
+            meta.close()
+        return (stats["used_bytes"], stats["files"], stats["models"]), counted
+
     def space_problems(self) -> list[str]:
-        blobs = [p for p in (self.data / "blobs").glob("*/*") if p.is_file()]
-        on_volume = sum(p.stat().st_size for p in blobs)
+        blobs = []
+        for path in (self.data / "blobs").glob("*/*"):
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by the reaper
+                blobs.append(path.stat())
+        on_volume = sum(st.st_size for st in blobs)
+        allocated = sum(min(st.st_blocks * 512, -(-st.st_size // 4096) * 4096) for st in blobs)
         visible = sum(self.visible_files().values())
         st = os.statvfs(self.mountpoint)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -580,8 +601,11 @@ class Soak:
         problems = []
         if on_volume != visible:
             problems.append(f"{on_volume} bytes of blob files, {visible} bytes visible")
-        if used != -(-on_volume // 4096) * 4096:
-            problems.append(f"statvfs says {used} bytes used, blob files hold {on_volume}")
+        if used != allocated:
+            problems.append(f"statvfs says {used} bytes used, blob files take {allocated}")
+        shown, counted = self.counters()
+        if shown != counted:
+            problems.append(f"usage counters {shown} differ from a recount {counted}")
         if staged:
             problems.append(f"left in staging/: {staged[:5]}")
         return problems
