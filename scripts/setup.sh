@@ -26,12 +26,18 @@ LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
     pyzmq transformers cryptography "setuptools>=77.0.3,<81")
 
 stamp=.venv/.kvfs-setup-stamp
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/pyfuse3-passthrough.patch | sha256sum | cut -d' ' -f1)"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     echo "setup: installing Python packages into .venv (first run takes a few minutes)"
     $PY -m pip install -q --upgrade pip
     $PY -m pip install -q "torch==2.13.0"
     $PY -m pip install -q "${LMCACHE_DEPS[@]}"
+    # Kernel FUSE passthrough needs libfuse >= 3.17 and a patched pyfuse3; without them kvfs
+    # serves every byte itself (stock pyfuse3, installed with kvfs below).
+    if ! bash scripts/build_passthrough.sh >.venv/passthrough-build.log 2>&1; then
+        echo "setup: FUSE passthrough unavailable (see .venv/passthrough-build.log):" \
+            "kvfs will serve reads and writes itself"
+    fi
     $PY -m pip install -q -e ".[test]"
     # Last, so that no later install re-checks the dependencies it was installed without.
     $PY -m pip install -q --no-deps "lmcache==0.5.6"
