@@ -63,6 +63,12 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel FUSE requests in flight (default %(default)s)")
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
+    parser.add_argument("--verify", choices=("open", "always"), default="open",
+                        help="open: verify a whole file at open, then let the kernel read it "
+                             "(passthrough); always: the daemon serves and verifies every "
+                             "read (default open)")
+    parser.add_argument("--passthrough", choices=("auto", "off"), default="auto",
+                        help="kernel FUSE passthrough where it is available (default auto)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
     parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
     parser.add_argument("--metrics-port", type=int,
@@ -79,6 +85,7 @@ def mount_command(args: argparse.Namespace) -> None:
         read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+        passthrough=args.passthrough == "auto" and args.verify == "open",
     )
     daemon.run(config)
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from kvfs.meta import ROOT_INO, Inode, MetaStore, fail
+from kvfs.passthrough import Passthrough
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -27,9 +28,10 @@ STATS_INO = (1 << 63) - 1
 FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
 
 
-def snapshot(meta: MetaStore, space: Space, stats: Stats) -> dict:
+def snapshot(meta: MetaStore, space: Space, stats: Stats, passthrough: Passthrough) -> dict:
     usage = meta.usage()
     return {
+        "data_path": passthrough.mode(),
         "capacity_bytes": space.capacity(),
         "used_bytes": space.used(),
         "files": usage.files,
@@ -39,17 +41,20 @@ def snapshot(meta: MetaStore, space: Space, stats: Stats) -> dict:
 
 
 class ControlFiles:
-    def __init__(self, meta: MetaStore, space: Space, stats: Stats) -> None:
+    def __init__(self, meta: MetaStore, space: Space, stats: Stats,
+                 passthrough: Passthrough) -> None:
         self.meta = meta
         self.space = space
         self.stats = stats
+        self.passthrough = passthrough
         self.started_ns = time.time_ns()
         self._contents: dict[int, bytes] = {}
         self._next_fh = itertools.count(FIRST_HANDLE)
         self._files: dict[int, Callable[[], bytes]] = {STATS_INO: self._stats_json}
 
     def _stats_json(self) -> bytes:
-        return json.dumps(snapshot(self.meta, self.space, self.stats), indent=2).encode() + b"\n"
+        state = snapshot(self.meta, self.space, self.stats, self.passthrough)
+        return json.dumps(state, indent=2).encode() + b"\n"
 
     def owns(self, ino: int) -> bool:
         return ino in (CONTROL_DIR_INO, STATS_INO)

@@ -27,6 +27,7 @@ from kvfs.handles import FileTable
 from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
+from kvfs.passthrough import Passthrough
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -59,6 +60,7 @@ class MountConfig:
     syslog: bool = False
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
+    passthrough: bool = True  # kernel passthrough reads where available (else --verify always)
 
 
 def check_mountpoint(path: Path) -> None:
@@ -158,11 +160,13 @@ class Daemon:
                            on_evicted=self._evicted)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
+        self.passthrough = Passthrough(config.passthrough)
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
+                               self.passthrough,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier)
+                                         self.notifier, self.passthrough)
 
     def _is_open(self, ino: int) -> bool:
         return self.files.is_open(ino)
@@ -194,7 +198,7 @@ class Daemon:
                                  f"{self.config.metrics_port}: {error.strerror}") from None
 
     def _snapshot(self) -> dict:
-        return snapshot(self.meta, self.space, self.stats)
+        return snapshot(self.meta, self.space, self.stats, self.passthrough)
 
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:

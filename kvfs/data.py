@@ -37,6 +37,7 @@ from kvfs.meta import BlobInfo, fail
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
 MAX_FILE_SIZE = 1 << 44  # 16 TiB, as ext4 with 4 KiB blocks: larger sizes get EFBIG
+VERIFY_RUN_BLOCKS = 8  # blocks read by one call when a whole blob is verified
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
 
 
@@ -167,24 +168,41 @@ class DataStore:
                 raise ChecksumError(f"blob {info.blob_id:016x}: block {index} checksum mismatch")
         return views
 
+    @staticmethod
+    def data_runs(fd: int, info: BlobInfo, run_blocks: int) -> list[tuple[int, int]]:
+        """What must be read to verify a whole blob: (first block, count) runs of at most
+        `run_blocks` blocks that hold data. Checks on the way, without reading, the file's
+        size and that every block in a hole has the checksum of zeros (ChecksumError)."""
+        size = os.fstat(fd).st_size
+        if size != info.size:
+            raise ChecksumError(f"blob {info.blob_id:016x}: data file has {size} bytes, "
+                                f"expected {info.size}")
+        with_data = sorted({block for start, end in data_ranges(fd, info.size)
+                            for block in range(start // info.block_size,
+                                               (end - 1) // info.block_size + 1)})
+        for block in set(range(len(info.sums))) - set(with_data):
+            if info.sums[block] != zero_sum(block_length(info.size, block)):
+                raise ChecksumError(f"blob {info.blob_id:016x}: block {block} is a hole "
+                                    "but its checksum is not that of zeros")
+        runs: list[tuple[int, int]] = []
+        for block in with_data:
+            first, count = runs[-1] if runs else (-1, 0)
+            if first + count == block and count < run_blocks:
+                runs[-1] = (first, count + 1)
+            else:
+                runs.append((block, 1))
+        return runs
+
     def verify(self, info: BlobInfo) -> str | None:
-        """Check a whole blob; returns what is wrong, or None when it is intact."""
+        """Check a whole blob (fsck); returns what is wrong, or None when it is intact."""
         try:
             fd = self.open_blob(info.blob_id)
         except FileNotFoundError:
             return "data file missing"
         try:
-            if os.fstat(fd).st_size != info.size:
-                return f"data file has {os.fstat(fd).st_size} bytes, expected {info.size}"
-            with_data = {block for start, end in data_ranges(fd, info.size)
-                         for block in range(start // info.block_size,
-                                            (end - 1) // info.block_size + 1)}
-            buffer = [bytearray(info.block_size)]
-            for block, digest in enumerate(info.sums):
-                if block in with_data:
-                    self.read_blocks(fd, info, block, buffer)
-                elif digest != zero_sum(block_length(info.size, block)):
-                    return f"block {block} is a hole but its checksum is not that of zeros"
+            buffers = [bytearray(info.block_size) for _ in range(VERIFY_RUN_BLOCKS)]
+            for first, count in self.data_runs(fd, info, VERIFY_RUN_BLOCKS):
+                self.read_blocks(fd, info, first, buffers[:count])
         except ChecksumError as error:
             return str(error)
         finally:

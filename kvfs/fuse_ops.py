@@ -27,6 +27,7 @@ from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import FileTable
 from kvfs.meta import NAME_MAX, FsError, Inode, MetaStore, Removed
+from kvfs.passthrough import Passthrough
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -132,15 +133,26 @@ def negative_entry() -> EntryAttributes:
 
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
+    enable_passthrough = True  # asked of the kernel at INIT (patched pyfuse3 only)
+
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
         super().__init__()
         self.meta = meta
         self.files = files
         self.space = space
         self.stats = stats
         self.notifier = notifier
-        self.control = ControlFiles(meta, space, stats)
+        self.passthrough = passthrough
+        self.enable_passthrough = passthrough.wanted
+        self.control = ControlFiles(meta, space, stats, passthrough)
+
+    def init(self) -> None:
+        """The kernel's INIT is answered: say which data path the mount has."""
+        if self.passthrough.available():
+            log.info("data path: kernel passthrough reads, blobs verified at open")
+        else:
+            log.info("data path: kvfs serves every read (%s)", self.passthrough.refused)
 
     def _attributes(self, ino: int) -> Inode:
         return self.control.attributes(ino) if self.control.owns(ino) else \
@@ -291,14 +303,13 @@ class KvfsOperations(pyfuse3.Operations):
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
         opened = await self.files.open(inode, flags & ~os.O_TRUNC, ctx.uid)
-        return FileInfo(fh=opened.fh, direct_io=opened.direct_io,
-                        keep_cache=opened.keep_cache), entry_attributes(inode)
+        return opened.file_info(), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
         opened = await self.files.open(self.meta.get(inode), flags, ctx.uid)
-        return FileInfo(fh=opened.fh, direct_io=opened.direct_io, keep_cache=opened.keep_cache)
+        return opened.file_info()
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         if self.control.owns_handle(fh):

@@ -6,8 +6,14 @@ a write handle fills a private staged blob that its flush (close) commits in one
 transaction. Concurrent writers of one name each have their own blob; the last to close wins.
 Hashing, the metadata commit and publishing run in worker threads: requests keep flowing.
 
-Page cache: the first read of a version bypasses the kernel page cache (direct_io): the kernel
-then sends a whole chunk's requests at once, so they are answered as the volume delivers,
+Passthrough (where the kernel grants it, kvfs/passthrough.py): a reader's open verifies the
+whole blob, then hands it to the kernel, which serves every read from the blob's own page
+cache without the daemon. All passthrough readers of an inode share one backing file, so a
+reader that needs another version (while older readers are open) is served by the daemon, as
+is every writer; the two kinds mix freely because daemon-served opens are direct_io.
+
+Without passthrough: the first read of a version bypasses the kernel page cache (direct_io):
+the kernel then sends a whole chunk's requests at once, answered as the volume delivers,
 without filling pages nobody may read again. A version opened again is read through the page
 cache and kept there across opens (keep_cache): committed blobs are immutable, so a chunk
 read by several instances is then served from kernel memory. Handles that could disagree
@@ -35,10 +41,12 @@ from itertools import count
 from typing import TypeVar
 
 import trio
+from pyfuse3 import FileInfo
 
 from kvfs.cache import BlockCache
 from kvfs.data import ChecksumError, DataStore, StagedFile, check_file_size
 from kvfs.meta import BlobInfo, FsError, Inode, MetaStore, Removed, fail
+from kvfs.passthrough import Passthrough, Verifier
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -60,14 +68,25 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
+    backing: bool = False  # the kernel reads the blob itself (passthrough)
     kill_privs: bool = False  # a writer without CAP_FSETID: its writes clear setuid/setgid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
+
+
+@dataclass(eq=False)
+class Backing:
+    """The one backing file the kernel has for an inode while passthrough readers use it."""
+
+    blob_id: int
+    backing_id: int
+    users: int = 1
 
 
 @dataclass(eq=False)
 class OpenInode:
     inode: Inode
     handles: set[Handle] = field(default_factory=set)
+    backing: Backing | None = None
     unlinked: bool = False
     writers_waiting: int = 0
     readers_gone: trio.Event | None = None  # set when the last page-cache reader closes
@@ -81,6 +100,13 @@ class Opened:
     fh: int
     direct_io: bool
     keep_cache: bool
+    backing_id: int = 0
+
+    def file_info(self) -> FileInfo:
+        info = FileInfo(fh=self.fh, direct_io=self.direct_io, keep_cache=self.keep_cache)
+        if self.backing_id:
+            info.backing_id = self.backing_id
+        return info
 
 
 def privileges_to_clear(mode: int) -> int:
@@ -93,11 +119,14 @@ def privileges_to_clear(mode: int) -> int:
 
 class FileTable:
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
-                 space: Space, on_attributes_changed: Callable[[int], None],
+                 space: Space, passthrough: Passthrough,
+                 on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
         self.data = data
         self.cache = cache
+        self.passthrough = passthrough
+        self.verifier = Verifier(data)
         self.stats = stats
         self.space = space
         self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
@@ -143,6 +172,9 @@ class FileTable:
         # so it may have changed since the lookup.
         inode, blob = self.meta.content(inode.ino)
         fd = self._open_blob(inode, blob)
+        passthrough = not writable and blob is not None and self.passthrough.available()
+        if passthrough:
+            await self._verify_whole(inode, blob, fd)
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, kill_privs=writable and uid != 0)
         self.space.touch(inode.ino)
@@ -157,6 +189,9 @@ class FileTable:
             if handle.kill_privs:  # truncation by open is a write: it clears them too
                 handle.kill_privs = False
                 self._clear_privileges(inode.ino)
+        if self.passthrough.available():
+            return self._open_for_passthrough(state, handle, passthrough)
+        self.stats.opens_daemon += not writable
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
         if not (writable or keep) and fd is not None:
@@ -168,6 +203,42 @@ class FileTable:
         handle.page_cache = True
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
+
+    async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
+        """Check every block before the kernel may read the blob (EIO and the file dropped
+        if one is bad)."""
+        read, skipped = self.verifier.bytes_read, self.verifier.skipped
+        try:
+            await self.verifier.verify(fd, blob)
+        except ChecksumError as error:
+            os.close(fd)
+            self._drop_damaged(inode, str(error), blob)
+            raise fail(errno.EIO) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            self.stats.verified_bytes += self.verifier.bytes_read - read
+            self.stats.verifications_skipped += self.verifier.skipped - skipped
+
+    def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
+        """With passthrough on the mount: readers share the inode's backing file when they
+        can; everyone else (writers, readers of another version) is served by the daemon,
+        always direct_io, since the kernel does not mix page-cache and passthrough opens."""
+        if wanted and handle.blob is not None:
+            backing = state.backing
+            if backing is None:
+                backing_id = self.passthrough.register(handle.fd) if handle.fd else None
+                if backing_id is not None:
+                    backing = state.backing = Backing(handle.blob.blob_id, backing_id, 0)
+            if backing is not None and backing.blob_id == handle.blob.blob_id:
+                backing.users += 1
+                handle.backing = True
+                self.stats.opens_passthrough += 1
+                return Opened(handle.fh, direct_io=False, keep_cache=False,
+                              backing_id=backing.backing_id)
+        self.stats.opens_daemon += not handle.writable
+        return Opened(handle.fh, direct_io=True, keep_cache=True)
 
     async def _wait_for_page_cache_readers(self, ino: int) -> None:
         """Let page-cache readers of `ino` finish before a writer changes the kernel's view
@@ -214,6 +285,11 @@ class FileTable:
                 os.close(handle.fd)
             state = self._open[handle.ino]
             state.handles.discard(handle)
+            if handle.backing and state.backing is not None:
+                state.backing.users -= 1
+                if not state.backing.users:
+                    self.passthrough.unregister(state.backing.backing_id)
+                    state.backing = None
             if state.readers_gone is not None and not state.page_cache_readers():
                 state.readers_gone.set()
                 state.readers_gone = None
@@ -245,6 +321,7 @@ class FileTable:
         if not blob_id:
             return
         self.cache.drop_blob(blob_id)
+        self.verifier.forget(blob_id)
         if blob_id in self._publishing:
             self._doomed_when_published.add(blob_id)
             return

@@ -14,6 +14,10 @@ class Stats:
     commits: int = 0
     evictions: int = 0
     checksum_errors: int = 0
+    opens_passthrough: int = 0  # reads by the kernel straight from the blob
+    opens_daemon: int = 0  # reads served (and verified per request) by kvfs
+    verified_bytes: int = 0  # read to verify blobs before passing them through
+    verifications_skipped: int = 0  # blobs verified before and still wholly in memory
     handler_errors: int = 0  # unexpected exceptions answered with EIO
     volume_errors: int = 0  # errors of the volume underneath (EIO, ...) met by requests
     readahead_errors: int = 0  # readahead runs that failed (their readers retried)

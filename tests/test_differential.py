@@ -138,7 +138,7 @@ dir_modes = st.sampled_from([0o755, 0o700, 0o750])
 chmod_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444, 0o4755, 0o2775, 0o2745,
                                0o6777, 0o1777, 0o6711])
 # Modes that let nobody write: setgid with and without group exec, setuid, neither.
-shared_modes = st.sampled_from([0o6777, 0o4777, 0o2777, 0o0777, 0o0666])  # TEMP
+shared_modes = st.sampled_from([0o6777, 0o4777, 0o2777, 0o2767, 0o6766, 0o0777, 0o0666])
 xattr_names = st.sampled_from(["user.x", "user.y"])
 # Symlink targets: relative, going down from the link's directory only (no `.` or `..`), so
 # that whatever they resolve to lies below the root and never is the root (`.kvfs`).

@@ -1,0 +1,160 @@
+"""Kernel FUSE passthrough: an open file's reads go from the kernel straight to its blob file,
+and the daemon never sees them.
+
+It needs three things, each checked: the patched pyfuse3 that set-up builds
+(scripts/build_passthrough.sh: `FileInfo.backing_id`, the session's descriptor), a kernel that
+grants passthrough at INIT (Linux >= 6.9), and CAP_SYS_ADMIN for the ioctl that registers a
+backing file. Without any of them every open falls back to reads the daemon serves.
+
+Kernel rules the callers keep: one backing file per inode while it is open (every passthrough
+open of the inode shares one registration, made at the first open and dropped at the last
+release), and passthrough opens never mix with page-cache opens of the same inode.
+
+Before a blob is handed to the kernel it is verified whole (`Verifier`): its data blocks are
+read in runs of several MiB, in worker threads, and checked against their xxh3 sums; that
+read leaves the blob in the page cache, where the reader then finds it. A blob verified since
+it was last wholly in memory (cachestat(2)) is not read again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import struct
+
+import pyfuse3
+import trio
+
+from kvfs.data import BLOCK_SIZE, DataStore
+from kvfs.meta import BlobInfo
+
+log = logging.getLogger(__name__)
+
+_IOC_WRITE = 1
+FUSE_DEV_IOC_MAGIC = 229
+
+
+def _iow(number: int, size: int) -> int:
+    return (_IOC_WRITE << 30) | (size << 16) | (FUSE_DEV_IOC_MAGIC << 8) | number
+
+
+_BACKING_MAP = struct.Struct("iIQ")  # struct fuse_backing_map: fd, flags, padding
+FUSE_DEV_IOC_BACKING_OPEN = _iow(1, _BACKING_MAP.size)
+FUSE_DEV_IOC_BACKING_CLOSE = _iow(2, 4)
+VERIFY_RUN_BYTES = 8 << 20  # one volume read of a verification
+VERIFY_THREADS = 4  # runs in flight at once
+PAGE = os.sysconf("SC_PAGE_SIZE")
+CACHESTAT_SYSCALL = 451  # x86-64 and arm64 (Linux >= 6.5)
+
+
+class Passthrough:
+    """Whether passthrough can be used, and the registration of backing files."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+        self.refused = "" if wanted else "turned off (--passthrough off)"
+        if wanted and not hasattr(pyfuse3, "passthrough_enabled"):
+            self.refused = "pyfuse3 without kvfs's passthrough patch"
+
+    def available(self) -> bool:
+        if self.refused:
+            return False
+        if not pyfuse3.passthrough_enabled():
+            self.refused = "the kernel did not grant FUSE passthrough"
+            log.warning("data path: kvfs serves reads itself: %s", self.refused)
+            return False
+        return True
+
+    def mode(self) -> str:
+        return "daemon" if self.refused else "passthrough"
+
+    def register(self, fd: int) -> int | None:
+        """A backing id for the file behind `fd`, or None when the kernel refuses (then
+        passthrough is off for the mount if it refuses for good)."""
+        request = bytearray(_BACKING_MAP.pack(fd, 0, 0))
+        try:
+            return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+        except OSError as error:
+            if error.errno in (errno.EPERM, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
+                self.refused = f"registering a backing file: {error.strerror}"
+                log.warning("data path: kvfs serves reads itself: %s", self.refused)
+            else:
+                log.warning("registering a backing file failed: %s", error)
+            return None
+
+    def unregister(self, backing_id: int) -> None:
+        try:
+            fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_CLOSE,
+                        bytearray(struct.pack("I", backing_id)))
+        except OSError as error:
+            log.warning("unregistering backing file %d failed: %s", backing_id, error)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def wholly_resident(fd: int, size: int) -> bool:
+    """Whether every page of the file is in the page cache (False if unknown)."""
+    result = _Cachestat()
+    if _libc.syscall(CACHESTAT_SYSCALL, fd, ctypes.byref(_CachestatRange(0, size)),
+                     ctypes.byref(result), 0) != 0:
+        return False
+    return result.nr_cache >= -(-size // PAGE)
+
+
+class Verifier:
+    """Whole-blob verification before a blob is passed through."""
+
+    def __init__(self, data: DataStore) -> None:
+        self.data = data
+        self._verified: set[int] = set()  # blobs verified since they were last read in
+        self._running: dict[int, trio.Event] = {}  # verifications under way
+        run_blocks = VERIFY_RUN_BYTES // BLOCK_SIZE
+        self._buffers = [[bytearray(BLOCK_SIZE) for _ in range(run_blocks)]
+                         for _ in range(VERIFY_THREADS)]  # reused: fresh memory is slow
+        self._free = trio.Semaphore(VERIFY_THREADS)
+        self.bytes_read = 0
+        self.skipped = 0
+
+    async def verify(self, fd: int, info: BlobInfo) -> None:
+        """Return once every block of the blob is checked; raises ChecksumError."""
+        while (running := self._running.get(info.blob_id)) is not None:
+            await running.wait()  # readers opening one chunk at once read it once
+        if info.blob_id in self._verified and wholly_resident(fd, info.size):
+            self.skipped += 1
+            return
+        self._verified.discard(info.blob_id)
+        self._running[info.blob_id] = trio.Event()
+        try:
+            runs = self.data.data_runs(fd, info, VERIFY_RUN_BYTES // BLOCK_SIZE)
+            async with trio.open_nursery() as nursery:
+                for first, count in runs:
+                    nursery.start_soon(self._verify_run, fd, info, first, count)
+            self._verified.add(info.blob_id)
+        finally:
+            self._running.pop(info.blob_id).set()
+
+    async def _verify_run(self, fd: int, info: BlobInfo, first: int, count: int) -> None:
+        async with self._free:
+            buffers = self._buffers.pop()
+            try:
+                views = await trio.to_thread.run_sync(self.data.read_blocks, fd, info, first,
+                                                      buffers[:count])
+            finally:
+                self._buffers.append(buffers)
+        self.bytes_read += sum(len(view) for view in views)
+
+    def forget(self, blob_id: int) -> None:
+        self._verified.discard(blob_id)
