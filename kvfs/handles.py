@@ -89,10 +89,11 @@ class OpenInode:
     backing: Backing | None = None
     unlinked: bool = False
     writers_waiting: int = 0
-    readers_gone: trio.Event | None = None  # set when the last page-cache reader closes
+    readers_gone: trio.Event | None = None  # set when the last kernel reader closes
 
-    def page_cache_readers(self) -> bool:
-        return any(handle.page_cache for handle in self.handles)
+    def kernel_readers(self) -> bool:
+        """Handles whose reads the kernel serves without us (page cache, passthrough)."""
+        return any(handle.page_cache or handle.backing for handle in self.handles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class FileTable:
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
-        self.verifier = Verifier(data)
+        self.verifier = Verifier(data, stats)
         self.stats = stats
         self.space = space
         self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
@@ -167,14 +168,20 @@ class FileTable:
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
             inode = await self.truncate_path(inode, 0, uid)
         if writable:
-            await self._wait_for_page_cache_readers(inode.ino)
+            await self._wait_for_kernel_readers(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since the lookup.
         inode, blob = self.meta.content(inode.ino)
+        if self._backing_conflict(inode.ino, writable, flags, blob):
+            await self._wait_for_kernel_readers(inode.ino)
+            inode, blob = self.meta.content(inode.ino)
         fd = self._open_blob(inode, blob)
-        passthrough = not writable and blob is not None and self.passthrough.available()
-        if passthrough:
+        if self._passes_through(writable, flags, blob):
             await self._verify_whole(inode, blob, fd)
+        if self._backing_conflict(inode.ino, writable, flags, blob):
+            if fd is not None:
+                os.close(fd)
+            raise fail(errno.EBUSY)  # passthrough readers of another version stay open
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, kill_privs=writable and uid != 0)
         self.space.touch(inode.ino)
@@ -190,7 +197,8 @@ class FileTable:
                 handle.kill_privs = False
                 self._clear_privileges(inode.ino)
         if self.passthrough.available():
-            return self._open_for_passthrough(state, handle, passthrough)
+            return self._open_for_passthrough(state, handle,
+                                              self._passes_through(writable, flags, blob))
         self.stats.opens_daemon += not writable
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
@@ -204,10 +212,25 @@ class FileTable:
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
+    def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
+        """Readers of a committed blob, not O_DIRECT (the kernel would read the blob with
+        the caller's flags, and O_DIRECT needs aligned buffers on the volume)."""
+        return (not writable and not flags & os.O_DIRECT and blob is not None
+                and self.passthrough.available())
+
+    def _backing_conflict(self, ino: int, writable: bool, flags: int,
+                          blob: BlobInfo | None) -> bool:
+        """The kernel keeps one backing file per inode and then accepts only opens that use
+        it: a writer, or a reader of another version, must wait for those readers."""
+        state = self._open.get(ino)
+        if state is None or state.backing is None:
+            return False
+        return not (self._passes_through(writable, flags, blob) and blob is not None
+                    and state.backing.blob_id == blob.blob_id)
+
     async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
         """Check every block before the kernel may read the blob (EIO and the file dropped
         if one is bad)."""
-        read, skipped = self.verifier.bytes_read, self.verifier.skipped
         try:
             await self.verifier.verify(fd, blob)
         except ChecksumError as error:
@@ -217,15 +240,13 @@ class FileTable:
         except BaseException:
             os.close(fd)
             raise
-        finally:
-            self.stats.verified_bytes += self.verifier.bytes_read - read
-            self.stats.verifications_skipped += self.verifier.skipped - skipped
 
     def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
-        """With passthrough on the mount: readers share the inode's backing file when they
-        can; everyone else (writers, readers of another version) is served by the daemon,
+        """With passthrough on the mount: readers share the inode's backing file; the rest
+        (writers, O_DIRECT readers, readers while a writer is open) are served by the daemon,
         always direct_io, since the kernel does not mix page-cache and passthrough opens."""
-        if wanted and handle.blob is not None:
+        others_served_here = any(not h.backing for h in state.handles if h is not handle)
+        if wanted and handle.blob is not None and not others_served_here:
             backing = state.backing
             if backing is None:
                 backing_id = self.passthrough.register(handle.fd) if handle.fd else None
@@ -240,20 +261,20 @@ class FileTable:
         self.stats.opens_daemon += not handle.writable
         return Opened(handle.fh, direct_io=True, keep_cache=True)
 
-    async def _wait_for_page_cache_readers(self, ino: int) -> None:
-        """Let page-cache readers of `ino` finish before a writer changes the kernel's view
-        of it."""
+    async def _wait_for_kernel_readers(self, ino: int) -> None:
+        """Let readers the kernel serves itself (page cache, passthrough) finish before a
+        writer or a reader of another version changes the kernel's view of `ino`."""
         state = self._open.get(ino)
-        if state is None or not state.page_cache_readers():
+        if state is None or not state.kernel_readers():
             return
         state.writers_waiting += 1
         try:
             with trio.move_on_after(WRITER_WAIT_SECONDS):
-                while state.page_cache_readers():
+                while state.kernel_readers():
                     if state.readers_gone is None:
                         state.readers_gone = trio.Event()
                     await state.readers_gone.wait()
-            if state.page_cache_readers():
+            if state.kernel_readers():
                 log.info("writer of %r proceeds with readers still open", state.inode.name)
         finally:
             state.writers_waiting -= 1
@@ -290,7 +311,7 @@ class FileTable:
                 if not state.backing.users:
                     self.passthrough.unregister(state.backing.backing_id)
                     state.backing = None
-            if state.readers_gone is not None and not state.page_cache_readers():
+            if state.readers_gone is not None and not state.kernel_readers():
                 state.readers_gone.set()
                 state.readers_gone = None
             if not state.handles:

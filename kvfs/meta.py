@@ -38,6 +38,7 @@ through.
 from __future__ import annotations
 
 import errno
+import os
 import stat
 import struct
 import threading
@@ -219,8 +220,9 @@ class MetaStore:
 
     def _format(self, txn: lmdb.Transaction) -> None:
         now = time.time_ns()
-        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 0, 0, now, now, now, ROOT_INO,
-                     0, 0, b"")
+        # The root belongs to whoever formats the volume: root, or the user who mounts it.
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, 0, now,
+                     now, now, ROOT_INO, 0, 0, b"")
         txn.put(u64(ROOT_INO), root.pack(), db=self._db["inode"])
         txn.put(b"format", FORMAT, db=self._db["settings"])
         self._set_counter(txn, "next_ino", ROOT_INO + 1)

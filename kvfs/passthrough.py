@@ -30,6 +30,7 @@ import trio
 
 from kvfs.data import BLOCK_SIZE, DataStore
 from kvfs.meta import BlobInfo
+from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -117,31 +118,33 @@ def wholly_resident(fd: int, size: int) -> bool:
 class Verifier:
     """Whole-blob verification before a blob is passed through."""
 
-    def __init__(self, data: DataStore) -> None:
+    def __init__(self, data: DataStore, stats: Stats) -> None:
         self.data = data
+        self.stats = stats
         self._verified: set[int] = set()  # blobs verified since they were last read in
         self._running: dict[int, trio.Event] = {}  # verifications under way
         run_blocks = VERIFY_RUN_BYTES // BLOCK_SIZE
         self._buffers = [[bytearray(BLOCK_SIZE) for _ in range(run_blocks)]
                          for _ in range(VERIFY_THREADS)]  # reused: fresh memory is slow
         self._free = trio.Semaphore(VERIFY_THREADS)
-        self.bytes_read = 0
-        self.skipped = 0
 
     async def verify(self, fd: int, info: BlobInfo) -> None:
         """Return once every block of the blob is checked; raises ChecksumError."""
         while (running := self._running.get(info.blob_id)) is not None:
             await running.wait()  # readers opening one chunk at once read it once
         if info.blob_id in self._verified and wholly_resident(fd, info.size):
-            self.skipped += 1
+            self.stats.verifications_skipped += 1
             return
         self._verified.discard(info.blob_id)
         self._running[info.blob_id] = trio.Event()
         try:
             runs = self.data.data_runs(fd, info, VERIFY_RUN_BYTES // BLOCK_SIZE)
-            async with trio.open_nursery() as nursery:
-                for first, count in runs:
-                    nursery.start_soon(self._verify_run, fd, info, first, count)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for first, count in runs:
+                        nursery.start_soon(self._verify_run, fd, info, first, count)
+            except ExceptionGroup as group:  # one bad run is the answer; others go with it
+                raise group.exceptions[0] from None
             self._verified.add(info.blob_id)
         finally:
             self._running.pop(info.blob_id).set()
@@ -154,7 +157,7 @@ class Verifier:
                                                       buffers[:count])
             finally:
                 self._buffers.append(buffers)
-        self.bytes_read += sum(len(view) for view in views)
+        self.stats.verified_bytes += sum(len(view) for view in views)
 
     def forget(self, blob_id: int) -> None:
         self._verified.discard(blob_id)

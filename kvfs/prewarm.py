@@ -1,7 +1,9 @@
 """`kvfs prewarm`: read files through the mount ahead of traffic so they are served from memory.
 
-kvfs serves the first read of a file past the kernel page cache and keeps it there from the
-second on, so each file is read twice: once from the volume, once into the page cache."""
+Without passthrough kvfs serves the first read of a file past the kernel page cache and keeps
+it there from the second on, so each file is read twice: once from the volume, once into the
+page cache. With passthrough the first open verifies the file into the page cache and the
+second read is served from there, at memory speed."""
 
 from __future__ import annotations
 

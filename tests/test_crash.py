@@ -484,7 +484,10 @@ def test_deleted_blob_gives_enoent_or_eio_and_drops_file(
 
 def test_corruption_under_an_open_reader_never_serves_bad_bytes(
         kvfs: KvfsMount, three_files: dict[str, tuple[Path, bytes]]) -> None:
-    """Damage found while a handle reads: it gets the verified bytes (cached) or EIO."""
+    """With --verify always, damage found while a handle reads: it gets the verified bytes
+    (cached) or EIO. (With passthrough, bytes are verified at open only: README, *Data
+    path*; test_passthrough.py shows that window.)"""
+    kvfs.remount("--verify", "always")
     victim = kvfs.mountpoint / "d" / "victim"
     original = three_files["victim"][1]
     with open(victim, "rb", buffering=0) as f:
@@ -547,7 +550,9 @@ def test_damaged_metadata_fails_mount_with_one_line(make_mount: Callable[..., Kv
     assert "Traceback" not in check.stderr
 
 
-def test_open_reader_is_not_cut_by_inplace_rewrite(kvfs: KvfsMount) -> None:
+def test_open_reader_is_not_cut_by_inplace_rewrite(make_mount) -> None:
+    """Daemon-served reads (with passthrough the writer waits: test_passthrough.py)."""
+    kvfs = make_mount("--passthrough", "off")
     path = kvfs.mountpoint / "f"
     old = os.urandom(3 * MiB)
     path.write_bytes(old)

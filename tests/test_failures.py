@@ -179,7 +179,8 @@ def test_unreadable_blob_fails_that_file_only(kvfs: KvfsMount) -> None:
 def test_blob_changed_behind_kvfs_during_readahead(kvfs: KvfsMount) -> None:
     """A data file deleted while a reader has it open keeps serving that reader; one cut
     short under an open reader (past what readahead, 32 MiB ahead, has verified) is a
-    checksum error for that file only."""
+    checksum error for that file only (daemon-served reads: --verify always)."""
+    kvfs.options += ["--verify", "always"]
     root = kvfs.mountpoint
     payloads = {name: os.urandom(64 * MiB) for name in ("deleted", "shortened", "bystander")}
     for name, payload in payloads.items():

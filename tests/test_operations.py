@@ -44,7 +44,7 @@ def test_stats_file_counts_exactly(make_mount) -> None:
     assert after["files"] == 4
     assert after["used_bytes"] == 4 * MiB + 4096  # the room files take: 4 KiB blocks
     assert after["bytes_written"] - before["bytes_written"] == 4 * MiB + 100
-    assert after["bytes_read"] - before["bytes_read"] == MiB
+    assert after["bytes_read"] + after["verified_bytes"] - before["bytes_read"] == MiB
     assert after["lookup_misses"] - before["lookup_misses"] >= 5
     assert after["models"] == {
         "meta-llama/Llama-3.1-8B": {"files": 2, "bytes": 2 * MiB},
@@ -100,8 +100,9 @@ def test_metrics_endpoint(make_mount) -> None:
     assert any(line.startswith("kvfs_bytes_written_total 4096") for line in lines)
 
 
-def test_prewarm_serves_later_reads_from_memory(make_mount) -> None:
-    kvfs = make_mount("--capacity", "1G")
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_prewarm_serves_later_reads_from_memory(make_mount, passthrough: str) -> None:
+    kvfs = make_mount("--capacity", "1G", "--passthrough", passthrough)
     (kvfs.mountpoint / "chunks").mkdir()
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").write_bytes(os.urandom(4 * MiB))
@@ -109,11 +110,16 @@ def test_prewarm_serves_later_reads_from_memory(make_mount) -> None:
     result = subprocess.run([KVFS, "prewarm", str(kvfs.mountpoint)], check=True,
                             capture_output=True, text=True)
     assert f"warmed 3 files, {12 * MiB} bytes" in result.stdout
-    warmed = stats(kvfs.mountpoint)["bytes_read"]
-    assert warmed == 2 * 12 * MiB  # once from the volume, once into the kernel page cache
+    warmed = stats(kvfs.mountpoint)
+    if warmed["data_path"] == "passthrough":  # verified once, then the kernel reads
+        assert (warmed["verified_bytes"], warmed["bytes_read"]) == (12 * MiB, 0)
+    else:  # once from the volume, once into the kernel page cache
+        assert (warmed["verified_bytes"], warmed["bytes_read"]) == (0, 2 * 12 * MiB)
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").read_bytes()
-    assert stats(kvfs.mountpoint)["bytes_read"] == warmed, "reads came from the page cache"
+    later = stats(kvfs.mountpoint)
+    assert (later["bytes_read"], later["verified_bytes"]) == (
+        warmed["bytes_read"], warmed["verified_bytes"]), "reads came from the page cache"
 
 
 @pytest.fixture

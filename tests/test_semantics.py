@@ -221,7 +221,10 @@ def test_readdir_of_many_entries_is_complete(kvfs) -> None:
     assert set(os.listdir(directory)) == survivors
 
 
-def test_close_to_open_isolation(kvfs) -> None:
+def test_close_to_open_isolation(make_mount) -> None:
+    """Daemon-served reads: a writer and readers of one inode at once. (With passthrough a
+    writer waits for passthrough readers instead: test_passthrough.py.)"""
+    kvfs = make_mount("--passthrough", "off")
     path = kvfs.mountpoint / "chunk"
     path.write_bytes(b"A" * MiB)
     reader = open(path, "rb")

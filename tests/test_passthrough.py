@@ -1,0 +1,245 @@
+"""Kernel FUSE passthrough reads, and every way an open falls back to reads the daemon serves.
+
+With passthrough the daemon verifies a blob whole at open and the kernel then reads it by
+itself: `bytes_read` (bytes the daemon served) stays 0 and `opens_passthrough` counts the
+opens. Fallbacks: passthrough turned off, a daemon without CAP_SYS_ADMIN (run as another
+user), O_DIRECT readers, readers while a writer is open; writers wait for passthrough readers
+(the kernel keeps one backing file per inode and accepts no other open beside it).
+
+Skipped where set-up could not build the passthrough pyfuse3 (it says so) or the kernel has no
+FUSE passthrough.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyfuse3
+import pytest
+from conftest import KvfsMount, assert_counters_exact, blob_files, stats, wait_for
+
+MiB = 1 << 20
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
+                                reason="pyfuse3 without kvfs's passthrough patch")
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def errno_of(call, *args) -> int:
+    with pytest.raises(OSError) as caught:
+        call(*args)
+    return caught.value.errno
+
+
+@pytest.fixture
+def passthrough(make_mount) -> KvfsMount:
+    kvfs = make_mount("--capacity", "1G")
+    if stats(kvfs.mountpoint)["data_path"] != "passthrough":
+        # The data path is decided at the kernel's INIT: look once a file was opened.
+        (kvfs.mountpoint / "probe").write_bytes(b"p")
+        (kvfs.mountpoint / "probe").read_bytes()
+        (kvfs.mountpoint / "probe").unlink()
+    if stats(kvfs.mountpoint)["data_path"] != "passthrough":
+        pytest.skip("the kernel did not grant FUSE passthrough")
+    return kvfs
+
+
+def test_reads_bypass_the_daemon_and_are_verified_once(passthrough: KvfsMount) -> None:
+    root = passthrough.mountpoint
+    payloads = {f"c{index}": os.urandom(32 * MiB + index) for index in range(3)}
+    for name, payload in payloads.items():
+        (root / name).write_bytes(payload)
+    passthrough.remount()
+    drop_caches()
+    for _ in range(3):
+        for name, payload in payloads.items():
+            assert (root / name).read_bytes() == payload
+    shown = stats(root)
+    assert shown["data_path"] == "passthrough"
+    assert shown["bytes_read"] == 0, "the daemon served no byte"
+    assert shown["opens_passthrough"] == 9 and shown["opens_daemon"] == 0
+    assert shown["verified_bytes"] == sum(map(len, payloads.values())), "verified once each"
+    assert shown["verifications_skipped"] == 6
+    drop_caches()  # evicted from memory: the next open verifies again
+    assert (root / "c0").read_bytes() == payloads["c0"]
+    assert stats(root)["verified_bytes"] == shown["verified_bytes"] + len(payloads["c0"])
+    assert_counters_exact(root, passthrough.data)
+
+
+def test_many_readers_of_one_chunk_share_one_backing_file(passthrough: KvfsMount) -> None:
+    root = passthrough.mountpoint
+    payload = os.urandom(32 * MiB)
+    (root / "chunk").write_bytes(payload)
+    passthrough.remount()
+    results: list[bool] = []
+
+    def reader() -> None:
+        for _ in range(5):
+            results.append((root / "chunk").read_bytes() == payload)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == [True] * 40
+    shown = stats(root)
+    assert shown["opens_passthrough"] == 40 and shown["bytes_read"] == 0
+    assert shown["verified_bytes"] == len(payload), "concurrent opens verified it once"
+
+
+def test_damage_found_at_open_is_eio_and_drops_the_file(passthrough: KvfsMount) -> None:
+    root = passthrough.mountpoint
+    (root / "victim").write_bytes(os.urandom(5 * MiB))
+    (root / "bystander").write_bytes(b"b" * MiB)
+    victim_blob = max(blob_files(passthrough.data), key=lambda p: p.stat().st_size)
+    passthrough.remount()
+    with open(victim_blob, "r+b") as blob:
+        blob.seek(4 * MiB + 7)
+        blob.write(b"\xff")
+    drop_caches()
+    assert errno_of((root / "victim").read_bytes) == errno.EIO
+    assert wait_for(lambda: not (root / "victim").exists())
+    assert stats(root)["checksum_errors"] == 1
+    assert (root / "bystander").read_bytes() == b"b" * MiB
+    assert_counters_exact(root, passthrough.data)
+
+
+def test_o_direct_readers_fall_back_to_the_daemon(passthrough: KvfsMount) -> None:
+    root = passthrough.mountpoint
+    payload = os.urandom(4 * MiB)
+    (root / "f").write_bytes(payload)
+    fd = os.open(root / "f", os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.read(fd, len(payload)) == payload
+    finally:
+        os.close(fd)
+    shown = stats(root)
+    assert shown["opens_daemon"] == 1 and shown["bytes_read"] == len(payload)
+
+
+def test_a_reader_while_a_writer_is_open_is_served_by_the_daemon(
+        passthrough: KvfsMount) -> None:
+    """Close-to-open isolation with passthrough on: a writer open first makes readers
+    daemon-served snapshots; once the writer closes, new readers pass through again."""
+    root = passthrough.mountpoint
+    (root / "f").write_bytes(b"A" * MiB)
+    with open(root / "f", "r+b", buffering=0) as writer:
+        writer.write(b"B" * MiB)
+        assert (root / "f").read_bytes() == b"A" * MiB
+        assert stats(root)["opens_daemon"] == 1
+    assert (root / "f").read_bytes() == b"B" * MiB
+    assert stats(root)["opens_passthrough"] == 1
+
+
+def test_a_writer_waits_for_passthrough_readers(passthrough: KvfsMount) -> None:
+    """The kernel accepts no other open of an inode beside its passthrough readers: a writer
+    waits for them (up to 2 s, twice), and gets EBUSY, changing nothing, if they stay."""
+    root = passthrough.mountpoint
+    (root / "f").write_bytes(b"A" * MiB)
+    reader = open(root / "f", "rb", buffering=0)
+    closer = threading.Timer(0.5, reader.close)
+    closer.start()
+    started = time.monotonic()
+    with open(root / "f", "r+b", buffering=0) as writer:  # waits for the reader's close
+        writer.write(b"B" * MiB)
+    assert time.monotonic() - started >= 0.4
+    closer.join()
+    assert (root / "f").read_bytes() == b"B" * MiB
+    with open(root / "f", "rb", buffering=0) as holder:
+        assert errno_of(open, root / "f", "r+b") == errno.EBUSY
+        assert holder.read() == b"B" * MiB
+    assert (root / "f").read_bytes() == b"B" * MiB
+    assert_counters_exact(root, passthrough.data)
+
+
+def test_a_file_open_for_passthrough_is_not_evicted(make_mount) -> None:
+    kvfs = make_mount("--capacity", "64M")
+    root = kvfs.mountpoint
+    held = os.urandom(16 * MiB)
+    (root / "held").write_bytes(held)
+    with open(root / "held", "rb", buffering=0) as reader:
+        first = reader.read(MiB)
+        for index in range(8):  # 128 MiB through a 64 MiB pool
+            (root / f"new{index}").write_bytes(os.urandom(16 * MiB))
+        assert stats(root)["evictions"] >= 4
+        assert first + reader.read() == held
+    assert (root / "held").read_bytes() == held
+    assert_counters_exact(root, kvfs.data)
+
+
+def test_passthrough_turned_off_serves_every_read(make_mount) -> None:
+    kvfs = make_mount("--capacity", "1G", "--passthrough", "off")
+    root = kvfs.mountpoint
+    payload = os.urandom(8 * MiB)
+    (root / "f").write_bytes(payload)
+    assert (root / "f").read_bytes() == payload
+    shown = stats(root)
+    assert shown["data_path"] == "daemon"
+    assert (shown["opens_passthrough"], shown["opens_daemon"]) == (0, 1)
+    assert shown["bytes_read"] == len(payload)
+    kvfs.remount("--verify", "always")  # the same daemon-served path
+    assert (root / "f").read_bytes() == payload
+    assert stats(root)["data_path"] == "daemon"
+
+
+@pytest.fixture
+def fuse_for_everyone() -> Iterator[Path]:
+    """/dev/fuse usable by other users (as Debian ships it), and a directory they reach."""
+    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", 0o666)
+    place = Path(tempfile.mkdtemp(prefix="kvfs-nonroot-", dir="/var/tmp"))
+    place.chmod(0o755)
+    try:
+        yield place
+    finally:
+        os.chmod("/dev/fuse", mode)
+        subprocess.run(["fusermount3", "-u", "-z", str(place / "mnt")], check=False)
+        shutil.rmtree(place, ignore_errors=True)
+
+
+def test_a_daemon_without_cap_sys_admin_falls_back(fuse_for_everyone: Path) -> None:
+    """Registering a backing file needs CAP_SYS_ADMIN: a daemon run by another user mounts
+    through fusermount3 and serves every read itself."""
+    mountpoint, data = fuse_for_everyone / "mnt", fuse_for_everyone / "data"
+    for path in (mountpoint, data):
+        path.mkdir()
+        os.chown(path, NOBODY, NOBODY)
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    mounted = subprocess.run([*as_nobody, sys.executable, str(Path(__file__).parent.parent /
+                                                            "mount_kvfs.py"),
+                              str(mountpoint), "--data", str(data), "--capacity", "64M"],
+                             capture_output=True, text=True, timeout=60)
+    assert mounted.returncode == 0, mounted.stderr
+    pid = int((data / "kvfs.lock").read_text())
+    try:
+        script = ("import sys, pathlib; p = pathlib.Path(sys.argv[1]); "
+                  "p.write_bytes(bytes(range(256)) * 12288); "
+                  "assert p.read_bytes() == bytes(range(256)) * 12288")  # 3 MiB
+        done = subprocess.run([*as_nobody, "/usr/bin/python3", "-c", script,
+                               str(mountpoint / "f")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        shown = subprocess.run([*as_nobody, "cat", str(mountpoint / ".kvfs" / "stats")],
+                               capture_output=True, text=True, check=True).stdout
+        assert '"data_path": "daemon"' in shown
+        assert f'"bytes_read": {3 * MiB}' in shown
+        log = (data / "kvfs.log").read_text()
+        assert "kvfs serves" in log and "Traceback" not in log
+    finally:
+        subprocess.run([*as_nobody, "fusermount3", "-u", str(mountpoint)], check=False)
+        assert wait_for(lambda: not Path(f"/proc/{pid}").exists(), 20)
