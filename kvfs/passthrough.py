@@ -123,9 +123,7 @@ class Verifier:
         self.stats = stats
         self._verified: set[int] = set()  # blobs verified since they were last read in
         self._running: dict[int, trio.Event] = {}  # verifications under way
-        run_blocks = VERIFY_RUN_BYTES // BLOCK_SIZE
-        self._buffers = [[bytearray(BLOCK_SIZE) for _ in range(run_blocks)]
-                         for _ in range(VERIFY_THREADS)]  # reused: fresh memory is slow
+        self._buffers = [bytearray(BLOCK_SIZE) for _ in range(VERIFY_THREADS)]  # reused
         self._free = trio.Semaphore(VERIFY_THREADS)
 
     async def verify(self, fd: int, info: BlobInfo) -> None:
@@ -151,13 +149,13 @@ class Verifier:
 
     async def _verify_run(self, fd: int, info: BlobInfo, first: int, count: int) -> None:
         async with self._free:
-            buffers = self._buffers.pop()
+            buffer = self._buffers.pop()
             try:
-                views = await trio.to_thread.run_sync(self.data.read_blocks, fd, info, first,
-                                                      buffers[:count])
+                done = await trio.to_thread.run_sync(self.data.check_run, fd, info, first,
+                                                     count, buffer)
             finally:
-                self._buffers.append(buffers)
-        self.stats.verified_bytes += sum(len(view) for view in views)
+                self._buffers.append(buffer)
+        self.stats.verified_bytes += done
 
     def forget(self, blob_id: int) -> None:
         self._verified.discard(blob_id)
