@@ -25,7 +25,7 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
-from kvfs.handles import FileTable
+from kvfs.handles import Caller, FileTable
 from kvfs.meta import NAME_MAX, FsError, Inode, MetaStore, Removed
 from kvfs.passthrough import Passthrough
 from kvfs.space import Space
@@ -102,6 +102,10 @@ class KernelNotifier:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+def caller(ctx: RequestContext) -> Caller:
+    return Caller.of(ctx.uid, ctx.gid, ctx.pid)
 
 
 def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttributes:
@@ -199,7 +203,8 @@ class KvfsOperations(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 await self.files.truncate(handle, attr.st_size)
             else:
-                await self.files.truncate_path(self.meta.get(inode), attr.st_size, ctx.uid)
+                await self.files.truncate_path(self.meta.get(inode), attr.st_size,
+                                              caller(ctx))
                 self.notifier.attributes_changed(inode)
         changed = {
             "mode": attr.st_mode if fields.update_mode else None,
@@ -302,13 +307,13 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC, ctx.uid)
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx))
         return opened.file_info(), entry_attributes(inode)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(self.meta.get(inode), flags, ctx.uid)
+        opened = await self.files.open(self.meta.get(inode), flags, caller(ctx))
         return opened.file_info()
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

@@ -38,6 +38,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -69,7 +70,7 @@ class Handle:
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
     backing: bool = False  # the kernel reads the blob itself (passthrough)
-    kill_privs: bool = False  # a writer without CAP_FSETID: its writes clear setuid/setgid
+    kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
 
 
@@ -110,10 +111,35 @@ class Opened:
         return info
 
 
-def privileges_to_clear(mode: int) -> int:
-    """What a write by an unprivileged process clears: setuid, and setgid when group-exec."""
-    bits = mode & stat.S_ISUID
-    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who opens: root (CAP_FSETID: writes keep setuid/setgid) or a user and its groups."""
+
+    uid: int
+    groups: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, uid: int, gid: int, pid: int) -> Caller:
+        if uid == 0:
+            return cls(0)
+        groups = {gid}
+        try:  # supplementary groups: only the kernel's view of the process has them
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("Groups:"):
+                    groups.update(int(group) for group in line.split()[1:])
+        except (OSError, ValueError):
+            pass
+        return cls(uid, frozenset(groups))
+
+
+def privileges_to_clear(inode: Inode, writer: Caller) -> int:
+    """What a write by `writer` clears, as Linux: nothing for root; setuid; setgid when group
+    execute is set or the writer is not in the file's group."""
+    if writer.uid == 0:
+        return 0
+    bits = inode.mode & stat.S_ISUID
+    if inode.mode & stat.S_ISGID and (inode.mode & stat.S_IXGRP
+                                      or inode.gid not in writer.groups):
         bits |= stat.S_ISGID
     return bits
 
@@ -161,12 +187,12 @@ class FileTable:
 
     # -- open / close --------------------------------------------------------------------
 
-    async def open(self, inode: Inode, flags: int, uid: int) -> Opened:
+    async def open(self, inode: Inode, flags: int, caller: Caller) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
-            inode = await self.truncate_path(inode, 0, uid)
+            inode = await self.truncate_path(inode, 0, caller)
         if writable:
             await self._wait_for_kernel_readers(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
@@ -183,7 +209,8 @@ class FileTable:
                 os.close(fd)
             raise fail(errno.EBUSY)  # passthrough readers of another version stay open
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
-                        inode.version, blob, fd, kill_privs=writable and uid != 0)
+                        inode.version, blob, fd,
+                        kill_privs=caller if writable and caller.uid else None)
         self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
@@ -193,9 +220,7 @@ class FileTable:
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
             await self.truncate(handle, 0)
-            if handle.kill_privs:  # truncation by open is a write: it clears them too
-                handle.kill_privs = False
-                self._clear_privileges(inode.ino)
+            self._clear_privileges(handle)  # truncation by open is a write: it clears them
         if self.passthrough.available():
             return self._open_for_passthrough(state, handle,
                                               self._passes_through(writable, flags, blob))
@@ -406,16 +431,18 @@ class FileTable:
             written = await self._change(staged, staged.growth_bound(offset, len(data)),
                                          lambda: staged.write(offset, data))
         self.stats.bytes_written += written
-        if handle.kill_privs:
-            handle.kill_privs = False
-            self._clear_privileges(handle.ino)
+        self._clear_privileges(handle)
         return written
 
-    def _clear_privileges(self, ino: int) -> None:
-        bits = privileges_to_clear(self.attributes(ino).mode)
+    def _clear_privileges(self, handle: Handle) -> None:
+        """On a handle's first write, as Linux does (once: later writes find nothing)."""
+        if handle.kill_privs is None:
+            return
+        bits = privileges_to_clear(self.attributes(handle.ino), handle.kill_privs)
+        handle.kill_privs = None
         if bits:
-            self.meta.set_attrs(ino, clear_mode=bits)
-            self.on_attributes_changed(ino)
+            self.meta.set_attrs(handle.ino, clear_mode=bits)
+            self.on_attributes_changed(handle.ino)
 
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:
@@ -423,11 +450,11 @@ class FileTable:
             await self._change(staged, staged.truncate_growth_bound(size),
                                lambda: staged.truncate(size))
 
-    async def truncate_path(self, inode: Inode, size: int, uid: int) -> Inode:
+    async def truncate_path(self, inode: Inode, size: int, caller: Caller) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once.
         A size that cannot be had changes nothing (no new version, no eviction)."""
         check_file_size(size)
-        opened = await self.open(inode, os.O_WRONLY, uid)
+        opened = await self.open(inode, os.O_WRONLY, caller)
         handle = self._handles[opened.fh]
         try:
             await self.truncate(handle, size)
