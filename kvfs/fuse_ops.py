@@ -217,6 +217,8 @@ class KvfsOperations(pyfuse3.Operations):
             # Every attribute change is a ctime change, also one that changes nothing
             # (chown(f, -1, -1) arrives with no field set).
             self.meta.set_attrs(inode, **changed)
+        if fields.update_size:  # the kernel's FUSE code clears setgid by an older rule
+            self.files.clear_privileges(inode, caller(ctx))
         return self._entry(self.files.attributes(inode))
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,

@@ -436,13 +436,16 @@ class FileTable:
 
     def _clear_privileges(self, handle: Handle) -> None:
         """On a handle's first write, as Linux does (once: later writes find nothing)."""
-        if handle.kill_privs is None:
-            return
-        bits = privileges_to_clear(self.attributes(handle.ino), handle.kill_privs)
-        handle.kill_privs = None
+        if handle.kill_privs is not None:
+            self.clear_privileges(handle.ino, handle.kill_privs)
+            handle.kill_privs = None
+
+    def clear_privileges(self, ino: int, writer: Caller) -> None:
+        """A write or truncate by `writer` clears setuid/setgid as Linux would."""
+        bits = privileges_to_clear(self.attributes(ino), writer)
         if bits:
-            self.meta.set_attrs(handle.ino, clear_mode=bits)
-            self.on_attributes_changed(handle.ino)
+            self.meta.set_attrs(ino, clear_mode=bits)
+            self.on_attributes_changed(ino)
 
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:

@@ -750,11 +750,17 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
           content=st.binary(max_size=40))
     def write_as_another_user(self, data: st.DataObject, mode: int, how: str,
                               content: bytes) -> None:
-        """nobody writes to (or truncates) a file everyone may write: setuid goes, setgid
-        goes if group-executable, on both sides alike."""
+        """nobody writes to (or truncates) a file everyone may write (root makes it first if
+        it is missing): setuid goes, and setgid too, as Linux clears it (for a writer outside
+        the file's group also when the file is not group-executable)."""
         parts = self.pick_file(data)
         if not self.can_open(parts):
             return
+        if not os.path.lexists(self.theirs.joinpath(*parts)):
+            made = self.both(f"create {'/'.join(parts)}",
+                             lambda root: os.mknod(root.joinpath(*parts), stat.S_IFREG | 0o644))
+            if made[0] != "ok":
+                return
         chmodded = self.both(f"chmod {'/'.join(parts)} {mode:o}",
                              lambda root: os.chmod(root.joinpath(*parts), mode))
         if chmodded[0] != "ok":
