@@ -36,7 +36,7 @@ import xxhash
 from kvfs.meta import BlobInfo, fail
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
-MAX_FILE_SIZE = 1 << 44  # 16 TiB, as ext4 with 4 KiB blocks: larger sizes get EFBIG
+MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
 VERIFY_RUN_BLOCKS = 8  # blocks read by one call when a whole blob is verified
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
 
@@ -66,6 +66,16 @@ def zero_sum(length: int) -> int:
 
 def block_length(size: int, block: int) -> int:
     return min(BLOCK_SIZE, size - block * BLOCK_SIZE)
+
+
+def writable_length(offset: int, length: int) -> int:
+    """How much of a write at `offset` fits below the largest size: the rest is cut off (a
+    short write, as Linux does); nothing fits: EFBIG."""
+    if not length:
+        return 0
+    if offset >= MAX_FILE_SIZE:
+        raise fail(errno.EFBIG)
+    return min(length, MAX_FILE_SIZE - offset)
 
 
 def check_file_size(size: int) -> None:
@@ -248,8 +258,8 @@ class StagedFile:
         self._stream_end: int | None = 0
 
     def growth_bound(self, offset: int, length: int) -> int:
-        """The most bytes a write can add on the volume (what must be reserved first)."""
-        check_file_size(offset + length)
+        """The most bytes a write (already cut to fit) can add on the volume (what must be
+        reserved first)."""
         base = self._base[1].allocated if self._base and not self._replaces_base(
             offset, length) else 0
         return base + length + ALLOCATION_UNIT
@@ -283,8 +293,7 @@ class StagedFile:
         self.physical = allocated_bytes(self.fd, self.size)
         self._finished = None
 
-    def write(self, offset: int, data: bytes) -> int:
-        check_file_size(offset + len(data))
+    def write(self, offset: int, data: bytes | memoryview) -> int:
         if self._base is not None and self._replaces_base(offset, len(data)):
             self._base = None
         self._materialize()

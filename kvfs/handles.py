@@ -45,7 +45,13 @@ import trio
 from pyfuse3 import FileInfo
 
 from kvfs.cache import BlockCache
-from kvfs.data import ChecksumError, DataStore, StagedFile, check_file_size
+from kvfs.data import (
+    ChecksumError,
+    DataStore,
+    StagedFile,
+    check_file_size,
+    writable_length,
+)
 from kvfs.meta import BlobInfo, FsError, Inode, MetaStore, Removed, fail
 from kvfs.passthrough import Passthrough, Verifier
 from kvfs.space import Space
@@ -428,6 +434,7 @@ class FileTable:
             staged = self._staged(handle)
             if handle.append:
                 offset = staged.size
+            data = memoryview(data)[: writable_length(offset, len(data))]
             written = await self._change(staged, staged.growth_bound(offset, len(data)),
                                          lambda: staged.write(offset, data))
         self.stats.bytes_written += written
