@@ -344,16 +344,19 @@ class MetaStore:
             txn.delete(u64(parent) + raw[8:16], db=self._db["dirlist"])
         txn.delete(u64(ino) + u64(parent) + name, db=self._db["links"])
 
-    def _names(self, txn: lmdb.Transaction, ino: int) -> list[tuple[int, bytes]]:
-        prefix = u64(ino)
-        cursor = txn.cursor(db=self._db["links"])
-        names = []
+    def _suffixes(self, txn: lmdb.Transaction, family: str, prefix: bytes) -> list[bytes]:
+        """The rest of every key of `family` that starts with `prefix`."""
+        cursor = txn.cursor(db=self._db[family])
+        found = []
         if cursor.set_range(prefix):
             for key in cursor.iternext(values=False):
-                if key[:8] != prefix:
+                if key[: len(prefix)] != prefix:
                     break
-                names.append((from_u64(key[8:16]), bytes(key[16:])))
-        return names
+                found.append(bytes(key[len(prefix):]))
+        return found
+
+    def _names(self, txn: lmdb.Transaction, ino: int) -> list[tuple[int, bytes]]:
+        return [(from_u64(rest), rest[8:]) for rest in self._suffixes(txn, "links", u64(ino))]
 
     def _has_children(self, txn: lmdb.Transaction, ino: int) -> bool:
         cursor = txn.cursor(db=self._db["dirlist"])
@@ -472,17 +475,9 @@ class MetaStore:
         return bytes(value)
 
     def listxattr(self, ino: int) -> list[bytes]:
-        prefix = u64(ino)
         with self.env.begin() as txn:
             self._get(txn, ino)
-            cursor = txn.cursor(db=self._db["xattr"])
-            names = []
-            if cursor.set_range(prefix):
-                for key in cursor.iternext(values=False):
-                    if key[:8] != prefix:
-                        break
-                    names.append(bytes(key[8:]))
-        return names
+            return self._suffixes(txn, "xattr", u64(ino))
 
     def inodes(self) -> Iterator[Inode]:
         with self.env.begin() as txn:
@@ -659,6 +654,11 @@ class MetaStore:
         """Re-point one name of `inode` (stored) and return its updated record."""
         self._unlink(txn, *old, inode.ino)
         self._link(txn, *new, inode.ino)
+        return self._renamed(txn, inode, old, new, now)
+
+    def _renamed(self, txn: lmdb.Transaction, inode: Inode, old: tuple[int, bytes],
+                 new: tuple[int, bytes], now: int) -> Inode:
+        """Store an inode whose name `old` is now `new`: its primary name and model follow."""
         updated = replace(inode, ctime_ns=now)
         if old == (inode.parent, inode.name):
             self._count_model(txn, inode, old[1], -1, -inode.allocated)
@@ -685,16 +685,10 @@ class MetaStore:
         self._unlink(txn, second_parent, second_name, second_inode.ino)
         self._link(txn, first_parent, first_name, second_inode.ino)
         self._link(txn, second_parent, second_name, first_inode.ino)
-        for inode, old, new in ((first_inode, (first_parent, first_name),
-                                 (second_parent, second_name)),
-                                (second_inode, (second_parent, second_name),
-                                 (first_parent, first_name))):
-            updated = replace(inode, ctime_ns=now)
-            if old == (inode.parent, inode.name):
-                self._count_model(txn, inode, old[1], -1, -inode.allocated)
-                self._count_model(txn, inode, new[1], 1, inode.allocated)
-                updated = replace(updated, parent=new[0], name=new[1])
-            self._put(txn, updated)
+        self._renamed(txn, first_inode, (first_parent, first_name),
+                      (second_parent, second_name), now)
+        self._renamed(txn, second_inode, (second_parent, second_name),
+                      (first_parent, first_name), now)
         if first_parent != second_parent and first_inode.is_dir != second_inode.is_dir:
             shift = first_inode.is_dir - second_inode.is_dir
             self._adjust_parent(txn, first_parent, -shift, now)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -139,6 +141,16 @@ class KvfsMount:
                 wait_dead(self.pid)
         if is_mounted(self.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory other users can traverse (pytest's tmp dirs are root-only). Request it
+    before make_mount, so that the mount inside is gone before the directory is removed."""
+    path = Path(tempfile.mkdtemp(prefix="kvfs-perm-", dir="/var/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

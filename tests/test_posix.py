@@ -43,12 +43,10 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -128,21 +126,11 @@ class Pair:
 
 
 @pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory other users can traverse (pytest's tmp dirs are root-only). Requested
-    before make_mount, so that the mount inside is gone before the directory is removed."""
-    path = Path(tempfile.mkdtemp(prefix="kvfs-posix-", dir="/var/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def pair(shared_dir: Path, make_mount: Callable[..., KvfsMount]) -> Iterator[Pair]:
-    plain = shared_dir / "plain"
+def pair(reachable: Path, make_mount: Callable[..., KvfsMount]) -> Iterator[Pair]:
+    plain = reachable / "plain"
     plain.mkdir()
     plain.chmod(0o755)
-    mount = make_mount("--capacity", "1G", "--allow-other", where=shared_dir)
+    mount = make_mount("--capacity", "1G", "--allow-other", where=reachable)
     old_umask = os.umask(0o022)  # the same for both sides and for the child processes
     try:
         yield Pair(plain, mount.mountpoint, mount)

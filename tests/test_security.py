@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 NOBODY = 65534
 
@@ -17,16 +12,6 @@ NOBODY = 65534
 def as_nobody(*command: str) -> subprocess.CompletedProcess:
     return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
                            "--clear-groups", *command], capture_output=True, text=True)
-
-
-@pytest.fixture
-def reachable() -> Iterator[Path]:
-    """A directory other users can traverse (pytest's tmp dirs are root-only). Request it
-    before make_mount, so that the mount inside is gone before the directory is removed."""
-    path = Path(tempfile.mkdtemp(prefix="kvfs-perm-", dir="/var/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_modes_and_owners_are_enforced_for_other_users(reachable: Path, make_mount) -> None:
