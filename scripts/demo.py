@@ -114,7 +114,10 @@ def show_kvfs_stats(mountpoint: Path) -> None:
     except (OSError, ValueError):
         return
     console.print(f"\n[bold]$ cat {mountpoint}/.kvfs/stats[/]  (since the last mount)")
-    console.print(f"lookup hits {stats['lookup_hits']:,}, misses {stats['lookup_misses']:,}; "
+    console.print(f"data path {stats['data_path']}: {stats['opens_passthrough']:,} opens read "
+                  f"by the kernel after verifying {gib(stats['verified_bytes'])}, "
+                  f"{stats['opens_daemon']:,} served by kvfs; "
+                  f"lookup hits {stats['lookup_hits']:,}, misses {stats['lookup_misses']:,}; "
                   f"read {gib(stats['bytes_read'])}, written {gib(stats['bytes_written'])}; "
                   f"{stats['files']:,} files, {gib(stats['used_bytes'])} of "
                   f"{gib(stats['capacity_bytes'])} used", style="dim", soft_wrap=True)
