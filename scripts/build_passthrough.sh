@@ -60,6 +60,6 @@ if ! "$PY" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'passthrough_e
     patch -d "$WORK/pyfuse3-$PYFUSE3_VERSION" -p1 -s <scripts/pyfuse3-passthrough.patch
     rm -f "$WORK/pyfuse3-$PYFUSE3_VERSION/src/pyfuse3/__init__.c"  # generated: rebuild it
     PKG_CONFIG_PATH="$LIBDIR/pkgconfig" LDFLAGS="-Wl,-rpath,$LIBDIR" \
-        "$PY" -m pip install -q --force-reinstall --no-deps "$WORK/pyfuse3-$PYFUSE3_VERSION"
+        "$PY" -m pip install -q --force-reinstall "$WORK/pyfuse3-$PYFUSE3_VERSION"
 fi
 "$PY" -c "import pyfuse3; assert pyfuse3.passthrough_enabled() is False"
