@@ -252,12 +252,13 @@ class FileTable:
     def _backing_conflict(self, ino: int, writable: bool, flags: int,
                           blob: BlobInfo | None) -> bool:
         """The kernel keeps one backing file per inode and then accepts only opens that use
-        it: a writer, or a reader of another version, must wait for those readers."""
+        it: a writer, or a reader of another version, must wait for those readers. So must
+        a new reader while a writer waits: the readers drain instead of starving it."""
         state = self._open.get(ino)
         if state is None or state.backing is None:
             return False
         return not (self._passes_through(writable, flags, blob) and blob is not None
-                    and state.backing.blob_id == blob.blob_id)
+                    and state.backing.blob_id == blob.blob_id and not state.writers_waiting)
 
     async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
         """Check every block before the kernel may read the blob (EIO and the file dropped
@@ -277,7 +278,8 @@ class FileTable:
         (writers, O_DIRECT readers, readers while a writer is open) are served by the daemon,
         always direct_io, since the kernel does not mix page-cache and passthrough opens."""
         others_served_here = any(not h.backing for h in state.handles if h is not handle)
-        if wanted and handle.blob is not None and not others_served_here:
+        if (wanted and handle.blob is not None and not others_served_here
+                and not state.writers_waiting):
             backing = state.backing
             if backing is None:
                 backing_id = self.passthrough.register(handle.fd) if handle.fd else None

@@ -243,3 +243,35 @@ def test_a_daemon_without_cap_sys_admin_falls_back(fuse_for_everyone: Path) -> N
     finally:
         subprocess.run([*as_nobody, "fusermount3", "-u", str(mountpoint)], check=False)
         assert wait_for(lambda: not Path(f"/proc/{pid}").exists(), 20)
+
+
+def test_readers_arriving_while_a_writer_waits_let_it_through(passthrough: KvfsMount) -> None:
+    """New readers do not join the passthrough readers a writer waits for (they would starve
+    it): they wait for them to drain too, then are served by the daemon beside the writer."""
+    root = passthrough.mountpoint
+    (root / "f").write_bytes(b"A" * MiB)
+    first = open(root / "f", "rb", buffering=0)
+    outcomes: dict[str, object] = {}
+
+    def write() -> None:
+        with open(root / "f", "r+b", buffering=0) as writer:
+            writer.write(b"B" * MiB)
+            time.sleep(0.3)  # open while the late reader opens
+        outcomes["writer"] = "done"
+
+    def read_late() -> None:
+        outcomes["reader"] = (root / "f").read_bytes()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(0.2)  # the writer is waiting for `first`
+    late = threading.Thread(target=read_late)
+    late.start()
+    time.sleep(0.3)
+    first.close()
+    writer.join(10)
+    late.join(10)
+    assert outcomes["writer"] == "done"
+    assert outcomes["reader"] in (b"A" * MiB, b"B" * MiB)  # a whole version, no EBUSY
+    assert (root / "f").read_bytes() == b"B" * MiB
+    assert_counters_exact(root, passthrough.data)
