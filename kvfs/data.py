@@ -37,7 +37,7 @@ from kvfs.meta import BlobInfo, fail
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
-VERIFY_RUN_BLOCKS = 8  # blocks read by one call when a whole blob is verified
+VERIFY_RUN_BLOCKS = 8  # blocks one worker verifies in a row when a whole blob is checked
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
 
 

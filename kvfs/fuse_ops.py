@@ -105,7 +105,7 @@ class KernelNotifier:
 
 
 def caller(ctx: RequestContext) -> Caller:
-    return Caller.of(ctx.uid, ctx.gid, ctx.pid)
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttributes:
@@ -137,8 +137,6 @@ def negative_entry() -> EntryAttributes:
 
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
-    enable_passthrough = True  # asked of the kernel at INIT (patched pyfuse3 only)
-
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
                  notifier: KernelNotifier, passthrough: Passthrough) -> None:
         super().__init__()
@@ -148,7 +146,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.stats = stats
         self.notifier = notifier
         self.passthrough = passthrough
-        self.enable_passthrough = passthrough.wanted
+        self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
         self.control = ControlFiles(meta, space, stats, passthrough)
 
     def init(self) -> None:

@@ -8,9 +8,10 @@ Hashing, the metadata commit and publishing run in worker threads: requests keep
 
 Passthrough (where the kernel grants it, kvfs/passthrough.py): a reader's open verifies the
 whole blob, then hands it to the kernel, which serves every read from the blob's own page
-cache without the daemon. All passthrough readers of an inode share one backing file, so a
-reader that needs another version (while older readers are open) is served by the daemon, as
-is every writer; the two kinds mix freely because daemon-served opens are direct_io.
+cache without the daemon. All passthrough readers of an inode share one backing file, and the
+kernel accepts no other open of the inode beside them: a writer or a reader of another version
+waits for them to close (EBUSY if they stay), and readers arriving meanwhile wait too. Opens
+the daemon serves (writers, O_DIRECT readers, readers beside a writer) are direct_io.
 
 Without passthrough: the first read of a version bypasses the kernel page cache (direct_io):
 the kernel then sends a whole chunk's requests at once, answered as the volume delivers,
@@ -119,23 +120,23 @@ class Opened:
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who opens: root (CAP_FSETID: writes keep setuid/setgid) or a user and its groups."""
+    """Who makes a request: root (CAP_FSETID: writes keep setuid/setgid) or a user."""
 
     uid: int
-    groups: frozenset[int] = frozenset()
+    gid: int
+    pid: int
 
-    @classmethod
-    def of(cls, uid: int, gid: int, pid: int) -> Caller:
-        if uid == 0:
-            return cls(0)
-        groups = {gid}
-        try:  # supplementary groups: only the kernel's view of the process has them
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    def in_group(self, gid: int) -> bool:
+        """Asked only when a write may clear setgid: supplementary groups are in /proc."""
+        if gid == self.gid:
+            return True
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
                 if line.startswith("Groups:"):
-                    groups.update(int(group) for group in line.split()[1:])
-        except (OSError, ValueError):
+                    return str(gid) in line.split()[1:]
+        except OSError:
             pass
-        return cls(uid, frozenset(groups))
+        return False
 
 
 def privileges_to_clear(inode: Inode, writer: Caller) -> int:
@@ -145,7 +146,7 @@ def privileges_to_clear(inode: Inode, writer: Caller) -> int:
         return 0
     bits = inode.mode & stat.S_ISUID
     if inode.mode & stat.S_ISGID and (inode.mode & stat.S_IXGRP
-                                      or inode.gid not in writer.groups):
+                                      or not writer.in_group(inode.gid)):
         bits |= stat.S_ISGID
     return bits
 
@@ -308,7 +309,8 @@ class FileTable:
                         state.readers_gone = trio.Event()
                     await state.readers_gone.wait()
             if state.kernel_readers():
-                log.info("writer of %r proceeds with readers still open", state.inode.name)
+                log.info("%r: kernel readers still open after %.0f s", state.inode.name,
+                         WRITER_WAIT_SECONDS)
         finally:
             state.writers_waiting -= 1
 

@@ -28,7 +28,7 @@ import struct
 import pyfuse3
 import trio
 
-from kvfs.data import BLOCK_SIZE, DataStore
+from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, DataStore
 from kvfs.meta import BlobInfo
 from kvfs.stats import Stats
 
@@ -45,7 +45,6 @@ def _iow(number: int, size: int) -> int:
 _BACKING_MAP = struct.Struct("iIQ")  # struct fuse_backing_map: fd, flags, padding
 FUSE_DEV_IOC_BACKING_OPEN = _iow(1, _BACKING_MAP.size)
 FUSE_DEV_IOC_BACKING_CLOSE = _iow(2, 4)
-VERIFY_RUN_BYTES = 8 << 20  # one volume read of a verification
 VERIFY_THREADS = 4  # runs in flight at once
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CACHESTAT_SYSCALL = 451  # x86-64 and arm64 (Linux >= 6.5)
@@ -136,7 +135,7 @@ class Verifier:
         self._verified.discard(info.blob_id)
         self._running[info.blob_id] = trio.Event()
         try:
-            runs = self.data.data_runs(fd, info, VERIFY_RUN_BYTES // BLOCK_SIZE)
+            runs = self.data.data_runs(fd, info, VERIFY_RUN_BLOCKS)
             try:
                 async with trio.open_nursery() as nursery:
                     for first, count in runs:
