@@ -36,6 +36,7 @@ log = logging.getLogger("kvfs")
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "kvfs"
 LOCK_NAME = "kvfs.lock"
 LOG_NAME = "kvfs.log"
+VERIFIED_NAME = "verified-blobs"  # this boot's verification marks, kept across a remount
 
 
 class MountError(Exception):
@@ -165,6 +166,7 @@ class Daemon:
                                self.passthrough,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
+        self.files.verifier.load(config.data / VERIFIED_NAME)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough)
 
@@ -227,6 +229,10 @@ class Daemon:
         self.meta.touch(self.space.take_uses())
         self.files.reap_remaining()
         self.meta.flush_reaped()
+        try:
+            self.files.verifier.save(self.config.data / VERIFIED_NAME)
+        except OSError as error:
+            log.warning("verification marks not kept: %s", error)
         self.meta.env.sync(True)
         self.meta.close()
         log.info("unmounted %s", self.config.mountpoint)

@@ -111,6 +111,13 @@ class DataStore:
     def create_staging(self, blob_id: int) -> int:
         return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
+    def stage_again(self, blob_id: int, published: bool, new_id: int) -> int:
+        """A second name in staging/ for a committed blob's file, to commit it anew: the
+        kernel wrote into it after its commit (a passthrough writer open past a flush)."""
+        os.link(self.path(blob_id) if published else self.staging_path(blob_id),
+                self.staging_path(new_id))
+        return os.open(self.staging_path(new_id), os.O_RDWR | os.O_CLOEXEC)
+
     def publish(self, blob_id: int) -> None:
         os.rename(self.staging_path(blob_id), self.path(blob_id))
 
@@ -240,10 +247,10 @@ class StagedFile:
     it into blobs/ (`published`). Once committed, the staged file is never deleted here."""
 
     def __init__(self, store: DataStore, blob_id: int, base_fd: int | None,
-                 base: BlobInfo | None) -> None:
+                 base: BlobInfo | None, fd: int | None = None) -> None:
         self.store = store
         self.blob_id = blob_id
-        self.fd = store.create_staging(blob_id)
+        self.fd = store.create_staging(blob_id) if fd is None else fd
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
@@ -256,6 +263,38 @@ class StagedFile:
         # hasher holds the block being filled, up to _stream_end (None: not streaming).
         self._hasher = xxhash.xxh3_64()
         self._stream_end: int | None = 0
+        self._seen = _file_state(self.fd)  # the file as kvfs last left it
+
+    @classmethod
+    def again(cls, committed: StagedFile, blob_id: int) -> StagedFile:
+        """New content over a committed staged file's data, changed by kernel writes."""
+        staged = cls(committed.store, blob_id, None, None,
+                     fd=committed.store.stage_again(committed.blob_id, committed.published,
+                                                        blob_id))
+        staged._seen = None
+        staged.take_kernel_writes()
+        return staged
+
+    @property
+    def independent(self) -> bool:
+        """Holds all of its content itself (no base left to copy in lazily)."""
+        return self._base is None
+
+    def kernel_wrote(self) -> bool:
+        """Whether the file changed since kvfs last touched it (passthrough writes)."""
+        return _file_state(self.fd) != self._seen
+
+    def take_kernel_writes(self) -> None:
+        """Adopt what the kernel wrote straight into the file: its size, and every block to
+        be hashed again at commit."""
+        if not self.kernel_wrote():
+            return
+        self.size = os.fstat(self.fd).st_size
+        self.sums.clear()
+        self._hasher.reset()
+        self._stream_end = None
+        self._measure()
+        self.changed = True
 
     def growth_bound(self, offset: int, length: int) -> int:
         """The most bytes a write (already cut to fit) can add on the volume (what must be
@@ -292,6 +331,7 @@ class StagedFile:
     def _measure(self) -> None:
         self.physical = allocated_bytes(self.fd, self.size)
         self._finished = None
+        self._seen = _file_state(self.fd)
 
     def write(self, offset: int, data: bytes | memoryview) -> int:
         if self._base is not None and self._replaces_base(offset, len(data)):
@@ -379,6 +419,7 @@ class StagedFile:
         if not self.published:
             self.store.publish(self.blob_id)
             self.published = True
+            self._seen = _file_state(self.fd)  # renaming changed its ctime
 
     def close(self) -> None:
         os.close(self.fd)
@@ -389,6 +430,11 @@ class StagedFile:
         self.close()
         if not self.committed:
             self.store.discard_staging(self.blob_id)
+
+
+def _file_state(fd: int) -> tuple[int, int, int]:
+    status = os.fstat(fd)
+    return status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 def _unlink_quietly(path: Path) -> None:

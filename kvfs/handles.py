@@ -76,18 +76,21 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
-    backing: bool = False  # the kernel reads the blob itself (passthrough)
+    backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
+    reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
 
 
 @dataclass(eq=False)
 class Backing:
-    """The one backing file the kernel has for an inode while passthrough readers use it."""
+    """The one backing file the kernel has for an inode while passthrough handles use it:
+    a committed blob that readers share, or the staged file of one writer."""
 
     blob_id: int
     backing_id: int
     users: int = 1
+    writable: bool = False
 
 
 @dataclass(eq=False)
@@ -97,10 +100,10 @@ class OpenInode:
     backing: Backing | None = None
     unlinked: bool = False
     writers_waiting: int = 0
-    readers_gone: trio.Event | None = None  # set when the last kernel reader closes
+    kernel_users_gone: trio.Event | None = None  # set when the last kernel reader closes
 
-    def kernel_readers(self) -> bool:
-        """Handles whose reads the kernel serves without us (page cache, passthrough)."""
+    def kernel_users(self) -> bool:
+        """Handles whose I/O the kernel does without us (page cache, passthrough)."""
         return any(handle.page_cache or handle.backing for handle in self.handles)
 
 
@@ -201,12 +204,12 @@ class FileTable:
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
             inode = await self.truncate_path(inode, 0, caller)
         if writable:
-            await self._wait_for_kernel_readers(inode.ino)
+            await self._wait_for_kernel_users(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since the lookup.
         inode, blob = self.meta.content(inode.ino)
         if self._backing_conflict(inode.ino, writable, flags, blob):
-            await self._wait_for_kernel_readers(inode.ino)
+            await self._wait_for_kernel_users(inode.ino)
             inode, blob = self.meta.content(inode.ino)
         fd = self._open_blob(inode, blob)
         if self._passes_through(writable, flags, blob):
@@ -229,6 +232,8 @@ class FileTable:
             await self.truncate(handle, 0)
             self._clear_privileges(handle)  # truncation by open is a write: it clears them
         if self.passthrough.available():
+            if writable:
+                return await self._open_writer(state, handle, flags)
             return self._open_for_passthrough(state, handle,
                                               self._passes_through(writable, flags, blob))
         self.stats.opens_daemon += not writable
@@ -259,7 +264,8 @@ class FileTable:
         if state is None or state.backing is None:
             return False
         return not (self._passes_through(writable, flags, blob) and blob is not None
-                    and state.backing.blob_id == blob.blob_id and not state.writers_waiting)
+                    and state.backing.blob_id == blob.blob_id and not state.backing.writable
+                    and not state.writers_waiting)
 
     async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
         """Check every block before the kernel may read the blob (EIO and the file dropped
@@ -276,8 +282,8 @@ class FileTable:
 
     def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
         """With passthrough on the mount: readers share the inode's backing file; the rest
-        (writers, O_DIRECT readers, readers while a writer is open) are served by the daemon,
-        always direct_io, since the kernel does not mix page-cache and passthrough opens."""
+        (O_DIRECT readers, readers while a writer is open) are served by the daemon, always
+        direct_io, since the kernel does not mix page-cache and passthrough opens."""
         others_served_here = any(not h.backing for h in state.handles if h is not handle)
         if (wanted and handle.blob is not None and not others_served_here
                 and not state.writers_waiting):
@@ -292,23 +298,51 @@ class FileTable:
                 self.stats.opens_passthrough += 1
                 return Opened(handle.fh, direct_io=False, keep_cache=False,
                               backing_id=backing.backing_id)
-        self.stats.opens_daemon += not handle.writable
+        self.stats.opens_daemon += 1
         return Opened(handle.fh, direct_io=True, keep_cache=True)
 
-    async def _wait_for_kernel_readers(self, ino: int) -> None:
+    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
+        """A writer that has the inode to itself, whose staged file holds all its content
+        (a new or truncated file) and whose writes clear no setuid/setgid writes through
+        the kernel straight into that file, in room reserved up front. Others are served
+        here, direct_io, each write accounted and hashed as it comes."""
+        inode = state.inode
+        if (flags & os.O_DIRECT or len(state.handles) > 1 or state.writers_waiting
+                or (handle.blob is not None and handle.staged is None)
+                or (handle.kill_privs and privileges_to_clear(inode, handle.kill_privs))):
+            return self._served_writer(handle)
+        staged = self._staged(handle)
+        if not staged.independent:
+            return self._served_writer(handle)
+        handle.reserved = await self.space.reserve_for_kernel_writer()
+        backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
+        if backing_id is None:
+            self.space.inflight -= handle.reserved
+            handle.reserved = 0
+            return self._served_writer(handle)
+        state.backing = Backing(staged.blob_id, backing_id, writable=True)
+        handle.backing = True
+        self.stats.write_opens_passthrough += 1
+        return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
+
+    def _served_writer(self, handle: Handle) -> Opened:
+        self.stats.write_opens_daemon += 1
+        return Opened(handle.fh, direct_io=True, keep_cache=True)
+
+    async def _wait_for_kernel_users(self, ino: int) -> None:
         """Let readers the kernel serves itself (page cache, passthrough) finish before a
         writer or a reader of another version changes the kernel's view of `ino`."""
         state = self._open.get(ino)
-        if state is None or not state.kernel_readers():
+        if state is None or not state.kernel_users():
             return
         state.writers_waiting += 1
         try:
             with trio.move_on_after(WRITER_WAIT_SECONDS):
-                while state.kernel_readers():
-                    if state.readers_gone is None:
-                        state.readers_gone = trio.Event()
-                    await state.readers_gone.wait()
-            if state.kernel_readers():
+                while state.kernel_users():
+                    if state.kernel_users_gone is None:
+                        state.kernel_users_gone = trio.Event()
+                    await state.kernel_users_gone.wait()
+            if state.kernel_users():
                 log.info("%r: kernel readers still open after %.0f s", state.inode.name,
                          WRITER_WAIT_SECONDS)
         finally:
@@ -337,6 +371,7 @@ class FileTable:
             await self.flush(handle)
         finally:
             self._discard_staged(handle)
+            self.space.inflight -= handle.reserved
             if handle.fd is not None:
                 os.close(handle.fd)
             state = self._open[handle.ino]
@@ -346,9 +381,9 @@ class FileTable:
                 if not state.backing.users:
                     self.passthrough.unregister(state.backing.backing_id)
                     state.backing = None
-            if state.readers_gone is not None and not state.kernel_readers():
-                state.readers_gone.set()
-                state.readers_gone = None
+            if state.kernel_users_gone is not None and not state.kernel_users():
+                state.kernel_users_gone.set()
+                state.kernel_users_gone = None
             if not state.handles:
                 del self._open[handle.ino]
 
@@ -460,7 +495,7 @@ class FileTable:
 
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:
-            staged = self._staged(handle)
+            staged = self._staged(handle, fresh=True)
             await self._change(staged, staged.truncate_growth_bound(size),
                                lambda: staged.truncate(size))
 
@@ -479,17 +514,40 @@ class FileTable:
             await self.release(opened.fh)
         return self.attributes(inode.ino)
 
-    def _staged(self, handle: Handle) -> StagedFile:
+    def _staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
+        """The handle's staged file, made on its first change. Of a passthrough writer,
+        with what the kernel wrote into it; after a commit, a new one over the same data
+        when the kernel wrote again or `fresh` (a change is coming)."""
         if not handle.writable:
             raise fail(errno.EBADF)
-        if handle.staged is not None and handle.staged.committed:
+        staged = handle.staged
+        if handle.backing and staged is not None:
+            return self._take_kernel_writes(handle, staged, fresh)
+        if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            if not self._blob_ids:
-                self._blob_ids = self.meta.allocate_blob_ids(BLOB_ID_BATCH)
-            blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
-            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob)
+            handle.staged = StagedFile(self.data, self._new_blob_id(), handle.fd, handle.blob)
         return handle.staged
+
+    def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
+                            fresh: bool) -> StagedFile:
+        if staged.committed:
+            if not (fresh or staged.kernel_wrote()):
+                return staged
+            handle.staged = StagedFile.again(staged, self._new_blob_id())
+            self._discard_staged_file(staged)
+            self.space.inflight += handle.staged.physical
+            return handle.staged
+        before = staged.physical
+        staged.take_kernel_writes()
+        self.space.inflight += staged.physical - before
+        return staged
+
+    def _new_blob_id(self) -> int:
+        if not self._blob_ids:
+            self._blob_ids = self.meta.allocate_blob_ids(BLOB_ID_BATCH)
+        blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
+        return blob_id
 
     async def _change(self, staged: StagedFile, growth_bound: int,
                       change: Callable[[], T]) -> T:
@@ -510,15 +568,21 @@ class FileTable:
             staged = handle.staged
             if staged is None:
                 return False
+            if handle.backing:
+                staged = self._staged(handle)
             if not staged.changed:  # every change it tried failed: no new version
-                self._discard_staged(handle)
+                if not handle.backing:  # (the kernel may still write into a writer's file)
+                    self._discard_staged(handle)
                 return False
             if not staged.committed and not await self._commit(handle, staged):
                 return False
             await trio.to_thread.run_sync(staged.publish)
             self._publishing_over(staged.blob_id)
-            staged.close()
-            handle.staged = None
+            self.verifier.written(staged.blob_id, staged.fd)
+            staged.changed = False
+            if not handle.backing:
+                staged.close()
+                handle.staged = None
             return True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
@@ -552,9 +616,11 @@ class FileTable:
 
     def _discard_staged(self, handle: Handle) -> None:
         staged = handle.staged
-        if staged is None:
-            return
-        handle.staged = None
+        if staged is not None:
+            handle.staged = None
+            self._discard_staged_file(staged)
+
+    def _discard_staged_file(self, staged: StagedFile) -> None:
         if staged.committed:
             try:
                 staged.publish()

@@ -12,8 +12,10 @@ release), and passthrough opens never mix with page-cache opens of the same inod
 
 Before a blob is handed to the kernel it is verified whole (`Verifier`): its data blocks are
 read in runs of several MiB, in worker threads, and checked against their xxh3 sums; that
-read leaves the blob in the page cache, where the reader then finds it. A blob verified since
-it was last wholly in memory (cachestat(2)) is not read again.
+read leaves the blob in the page cache, where the reader then finds it. A blob that is wholly
+in memory (cachestat(2)) and was verified, or written by kvfs itself, since its data file last
+changed (same inode and ctime) is not read again. Those marks outlive a remount of the same
+boot (`save`/`load`): the page cache does too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import fcntl
 import logging
 import os
 import struct
+from pathlib import Path
 
 import pyfuse3
 import trio
@@ -120,7 +123,8 @@ class Verifier:
     def __init__(self, data: DataStore, stats: Stats) -> None:
         self.data = data
         self.stats = stats
-        self._verified: set[int] = set()  # blobs verified since they were last read in
+        # blob -> (inode, ctime) of its data file when its page cache was last known good
+        self._verified: dict[int, tuple[int, int]] = {}
         self._running: dict[int, trio.Event] = {}  # verifications under way
         self._buffers = [bytearray(BLOCK_SIZE) for _ in range(VERIFY_THREADS)]  # reused
         self._free = trio.Semaphore(VERIFY_THREADS)
@@ -129,10 +133,11 @@ class Verifier:
         """Return once every block of the blob is checked; raises ChecksumError."""
         while (running := self._running.get(info.blob_id)) is not None:
             await running.wait()  # readers opening one chunk at once read it once
-        if info.blob_id in self._verified and wholly_resident(fd, info.size):
+        mark = _file_mark(fd)
+        if self._verified.get(info.blob_id) == mark and wholly_resident(fd, info.size):
             self.stats.verifications_skipped += 1
             return
-        self._verified.discard(info.blob_id)
+        self._verified.pop(info.blob_id, None)
         self._running[info.blob_id] = trio.Event()
         try:
             runs = self.data.data_runs(fd, info, VERIFY_RUN_BLOCKS)
@@ -142,7 +147,7 @@ class Verifier:
                         nursery.start_soon(self._verify_run, fd, info, first, count)
             except ExceptionGroup as group:  # one bad run is the answer; others go with it
                 raise group.exceptions[0] from None
-            self._verified.add(info.blob_id)
+            self._verified[info.blob_id] = mark
         finally:
             self._running.pop(info.blob_id).set()
 
@@ -156,5 +161,40 @@ class Verifier:
                 self._buffers.append(buffer)
         self.stats.verified_bytes += done
 
+    def written(self, blob_id: int, fd: int) -> None:
+        """kvfs just wrote and hashed this blob: its page cache holds what was checksummed."""
+        self._verified[blob_id] = _file_mark(fd)
+
     def forget(self, blob_id: int) -> None:
-        self._verified.discard(blob_id)
+        self._verified.pop(blob_id, None)
+
+    def save(self, path: Path) -> None:
+        """Keep the marks for the next mount of this boot (written at unmount)."""
+        lines = [_boot_id()] + [f"{blob:x} {ino} {ctime}"
+                                for blob, (ino, ctime) in self._verified.items()]
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text("\n".join(lines) + "\n")
+        temporary.rename(path)
+
+    def load(self, path: Path) -> None:
+        """Take the marks a clean unmount of this boot left, once (the file goes)."""
+        try:
+            boot, *lines = path.read_text().splitlines()
+            path.unlink()
+        except (OSError, ValueError):
+            return
+        if boot != _boot_id():
+            return  # the page cache did not survive a reboot
+        for line in lines:
+            blob, ino, ctime = line.split()
+            self._verified[int(blob, 16)] = (int(ino), int(ctime))
+
+
+def _file_mark(fd: int) -> tuple[int, int]:
+    """What changes when a data file is replaced or written behind kvfs."""
+    status = os.fstat(fd)
+    return status.st_ino, status.st_ctime_ns
+
+
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

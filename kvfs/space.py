@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, fail
+from kvfs.meta import ROOT_INO, FsError, Inode, MetaStore, Removed, fail
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
 SLACK_SECONDS = 0.1
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
+KERNEL_WRITER_RESERVE = 256 << 20  # held for a writer whose writes kvfs does not see ...
+KERNEL_WRITER_MIN_RESERVES = 16  # ... in pools at least this many times as large
 
 
 class Space:
@@ -85,6 +87,19 @@ class Space:
             raise fail(errno.ENOSPC)
         self._slack = capacity - self.used() - growth
         self._slack_until = time.monotonic() + SLACK_SECONDS
+
+    async def reserve_for_kernel_writer(self) -> int:
+        """Room for a passthrough writer, reserved (and counted as staged) until it closes;
+        0 where that is not to be had, or would be a large share of a small pool: then
+        kvfs serves the writes and accounts each one exactly."""
+        if self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
+            return 0
+        try:
+            await self.reserve(KERNEL_WRITER_RESERVE)
+        except FsError:
+            return 0
+        self.inflight += KERNEL_WRITER_RESERVE
+        return KERNEL_WRITER_RESERVE
 
     # -- recency -------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ class Stats:
     checksum_errors: int = 0
     opens_passthrough: int = 0  # reads by the kernel straight from the blob
     opens_daemon: int = 0  # reads served (and verified per request) by kvfs
+    write_opens_passthrough: int = 0  # writes by the kernel straight into the staged blob
+    write_opens_daemon: int = 0  # writes served by kvfs
     verified_bytes: int = 0  # read to verify blobs before passing them through
     verifications_skipped: int = 0  # blobs verified before and still wholly in memory
     handler_errors: int = 0  # unexpected exceptions answered with EIO

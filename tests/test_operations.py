@@ -44,7 +44,11 @@ def test_stats_file_counts_exactly(make_mount) -> None:
     assert after["files"] == 4
     assert after["used_bytes"] == 4 * MiB + 4096  # the room files take: 4 KiB blocks
     assert after["bytes_written"] - before["bytes_written"] == 4 * MiB + 100
-    assert after["bytes_read"] + after["verified_bytes"] - before["bytes_read"] == MiB
+    if after["data_path"] == "passthrough":  # pages kvfs wrote and hashed: not read again
+        assert (after["bytes_read"], after["verified_bytes"],
+                after["verifications_skipped"]) == (0, 0, 1)
+    else:
+        assert after["bytes_read"] == MiB
     assert after["lookup_misses"] - before["lookup_misses"] >= 5
     assert after["models"] == {
         "meta-llama/Llama-3.1-8B": {"files": 2, "bytes": 2 * MiB},

@@ -86,6 +86,7 @@ def test_many_readers_of_one_chunk_share_one_backing_file(passthrough: KvfsMount
     payload = os.urandom(32 * MiB)
     (root / "chunk").write_bytes(payload)
     passthrough.remount()
+    drop_caches()
     results: list[bool] = []
 
     def reader() -> None:

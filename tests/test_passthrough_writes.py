@@ -1,0 +1,194 @@
+"""Passthrough writes: a writer of a new or truncated file, alone on its inode, writes through
+the kernel straight into its staged blob; kvfs hashes it at close and commits as ever.
+
+Each test checks the bytes through the mount, after a remount with the page cache dropped (so
+the checksums taken at close are verified against the volume), and the counters against a
+recount. Pools under 4 GiB keep daemon-served writes (accounted write by write); the fixture
+here has 8 GiB. Skipped where passthrough is not available (see test_passthrough.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pyfuse3
+import pytest
+from conftest import KvfsMount, assert_counters_exact, stats
+from test_passthrough import drop_caches, errno_of
+
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
+                                reason="pyfuse3 without kvfs's passthrough patch")
+
+
+@pytest.fixture
+def roomy(make_mount) -> KvfsMount:
+    kvfs = make_mount("--capacity", "8G")
+    (kvfs.mountpoint / "probe").write_bytes(b"p")
+    if stats(kvfs.mountpoint)["data_path"] != "passthrough":
+        pytest.skip("the kernel did not grant FUSE passthrough")
+    (kvfs.mountpoint / "probe").unlink()
+    kvfs.remount()  # counters from zero
+    return kvfs
+
+
+def verified_after_remount(kvfs: KvfsMount, expected: dict[str, bytes]) -> None:
+    """Every file reads back whole after a remount with cold caches: its blob was hashed
+    right at close."""
+    kvfs.remount()
+    drop_caches()
+    for name, payload in expected.items():
+        assert (kvfs.mountpoint / name).read_bytes() == payload, name
+    shown = stats(kvfs.mountpoint)
+    assert shown["checksum_errors"] == 0
+    assert shown["verified_bytes"] >= sum(map(len, expected.values()))
+    assert_counters_exact(kvfs.mountpoint, kvfs.data)
+
+
+def test_new_files_are_written_by_the_kernel(roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    payloads = {"chunk": os.urandom(32 * MiB), "odd": os.urandom(3 * MiB + 17), "empty": b""}
+    for name, payload in payloads.items():
+        (root / name).write_bytes(payload)
+        assert (root / name).stat().st_size == len(payload)
+        assert (root / name).read_bytes() == payload
+    shown = stats(root)
+    assert shown["write_opens_passthrough"] == 3 and shown["write_opens_daemon"] == 0
+    assert shown["bytes_written"] == 0, "no byte crossed the daemon"
+    assert shown["commits"] == 2, "a file created and closed unwritten commits nothing"
+    assert_counters_exact(root, roomy.data)
+    verified_after_remount(roomy, payloads)
+
+
+def test_lmcache_temp_and_rename_and_overwrite_by_truncation(roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    first, second = os.urandom(8 * MiB), os.urandom(5 * MiB)
+    (root / "key.tmp").write_bytes(first)
+    os.rename(root / "key.tmp", root / "key.data")
+    with open(root / "key.data", "wb", buffering=0) as writer:  # O_TRUNC: kernel writes
+        writer.write(second)
+    assert stats(root)["write_opens_passthrough"] == 2
+    assert (root / "key.data").read_bytes() == second
+    verified_after_remount(roomy, {"key.data": second})
+
+
+def test_appends_and_truncates_through_a_kernel_writer(roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    fd = os.open(root / "f", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"a" * MiB)
+        os.write(fd, b"b" * MiB)
+        os.ftruncate(fd, MiB + 10)  # the daemon's truncate sees the kernel's writes
+        os.write(fd, b"c" * 5)  # appended at the new end
+    finally:
+        os.close(fd)
+    expected = b"a" * MiB + b"b" * 10 + b"c" * 5
+    assert (root / "f").read_bytes() == expected
+    assert stats(root)["write_opens_passthrough"] == 1
+    verified_after_remount(roomy, {"f": expected})
+
+
+def test_writes_after_a_flush_are_committed_anew(roomy: KvfsMount) -> None:
+    """close() of a duplicate commits; the kernel may write on through the other descriptor
+    into the blob just committed: those writes become a new version at the next flush."""
+    root = roomy.mountpoint
+    fd = os.open(root / "f", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"1" * (2 * MiB))
+        os.close(os.dup(fd))  # flush: the first version is committed
+        assert (root / "f").stat().st_size == 2 * MiB
+        os.pwrite(fd, b"2" * 100, 5)  # same size: only the contents change
+        os.write(fd, b"3" * MiB)
+    finally:
+        os.close(fd)
+    expected = b"1" * 5 + b"2" * 100 + b"1" * (2 * MiB - 105) + b"3" * MiB
+    assert (root / "f").read_bytes() == expected
+    assert stats(root)["commits"] == 2
+    verified_after_remount(roomy, {"f": expected})
+
+
+def test_others_wait_for_a_kernel_writer(roomy: KvfsMount) -> None:
+    """The kernel writes into the writer's staged file: no other open of the inode can be
+    served beside it. Readers and writers wait for its close (EBUSY if it stays open), and
+    then see the committed version."""
+    root = roomy.mountpoint
+    payload = os.urandom(4 * MiB)
+    writer = open(root / "f", "wb", buffering=0)
+    writer.write(payload)
+    outcome: dict[str, bytes] = {}
+    late = threading.Thread(target=lambda: outcome.update(read=(root / "f").read_bytes()))
+    started = time.monotonic()
+    late.start()
+    time.sleep(0.3)
+    writer.close()
+    late.join(10)
+    assert outcome["read"] == payload and time.monotonic() - started >= 0.25
+    with open(root / "f", "wb", buffering=0) as stays:
+        stays.write(b"x")
+        assert errno_of((root / "f").read_bytes) == errno.EBUSY
+        assert errno_of(open, root / "f", "r+b") == errno.EBUSY
+    assert (root / "f").read_bytes() == b"x"
+    assert_counters_exact(root, roomy.data)
+
+
+def test_small_pools_and_existing_content_keep_daemon_writes(make_mount,
+                                                             roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    (root / "f").write_bytes(b"A" * MiB)
+    with open(root / "f", "r+b", buffering=0) as writer:  # keeps content: served here
+        writer.seek(10)
+        writer.write(b"B")
+    assert stats(root)["write_opens_daemon"] == 1
+    small = make_mount("--capacity", "1G")
+    (small.mountpoint / "g").write_bytes(b"C" * MiB)
+    assert stats(small.mountpoint)["write_opens_daemon"] == 1
+    assert stats(small.mountpoint)["write_opens_passthrough"] == 0
+    assert (root / "f").read_bytes() == b"A" * 10 + b"B" + b"A" * (MiB - 11)
+
+
+def test_crash_during_a_kernel_write_loses_only_that_write(roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    kept = os.urandom(3 * MiB)
+    (root / "kept").write_bytes(kept)
+    (root / "f").write_bytes(b"old")
+    writer = subprocess.Popen(
+        ["python3", "-c",
+         "import os, sys, time; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_TRUNC); "
+         "os.write(fd, os.urandom(8 << 20)); print('written', flush=True); time.sleep(60)",
+         str(root / "f")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+        assert stats(root)["write_opens_passthrough"] == 3
+        roomy.kill9()
+    finally:
+        writer.kill()
+        writer.wait()
+    roomy.mount()
+    assert not list((roomy.data / "staging").iterdir()), "the staged write was discarded"
+    drop_caches()
+    assert (root / "f").read_bytes() == b"old"
+    assert (root / "kept").read_bytes() == kept
+    assert_counters_exact(root, roomy.data)
+
+
+def test_a_file_being_written_by_the_kernel_is_not_evicted(make_mount) -> None:
+    kvfs = make_mount("--capacity", "4G")
+    root = kvfs.mountpoint
+    with open(root / "held", "wb", buffering=0) as writer:
+        writer.write(b"h" * MiB)
+        block = os.urandom(64 * MiB)
+        for index in range(18):  # 4.5 GiB through a 4 GiB pool
+            with open(root / f"big{index}", "wb", buffering=0) as big:
+                for _ in range(4):
+                    big.write(block)
+        writer.write(b"i" * MiB)
+    assert stats(root)["evictions"] >= 1
+    assert (root / "held").read_bytes() == b"h" * MiB + b"i" * MiB
+    assert_counters_exact(root, kvfs.data)
+    assert stats(root)["used_bytes"] <= 4 << 30
