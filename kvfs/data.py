@@ -432,9 +432,11 @@ class StagedFile:
             self.store.discard_staging(self.blob_id)
 
 
-def _file_state(fd: int) -> tuple[int, int, int]:
+def _file_state(fd: int) -> tuple[int, int]:
+    """Size and mtime: every write moves the mtime (fine-grained once kvfs has looked,
+    Linux >= 6.13). Not the ctime, which a second name's removal moves too."""
     status = os.fstat(fd)
-    return status.st_size, status.st_mtime_ns, status.st_ctime_ns
+    return status.st_size, status.st_mtime_ns
 
 
 def _unlink_quietly(path: Path) -> None:

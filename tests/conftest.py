@@ -50,6 +50,12 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def drop_caches() -> None:
+    """Empty the page cache: blobs must be read (and verified) from the volume again."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def stats(mountpoint: Path) -> dict:
     return json.loads((mountpoint / ".kvfs" / "stats").read_text())
 

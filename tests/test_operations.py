@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import daemon_pid, is_mounted, stats, wait_dead
+from conftest import daemon_pid, drop_caches, is_mounted, stats, wait_dead
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -110,7 +110,8 @@ def test_prewarm_serves_later_reads_from_memory(make_mount, passthrough: str) ->
     (kvfs.mountpoint / "chunks").mkdir()
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").write_bytes(os.urandom(4 * MiB))
-    kvfs.remount()  # a fresh daemon and kernel cache
+    kvfs.remount()  # a fresh daemon and kernel cache ...
+    drop_caches()  # ... and blobs no longer in memory: they are verified again
     result = subprocess.run([KVFS, "prewarm", str(kvfs.mountpoint)], check=True,
                             capture_output=True, text=True)
     assert f"warmed 3 files, {12 * MiB} bytes" in result.stdout

@@ -26,18 +26,20 @@ from pathlib import Path
 
 import pyfuse3
 import pytest
-from conftest import KvfsMount, assert_counters_exact, blob_files, stats, wait_for
+from conftest import (
+    KvfsMount,
+    assert_counters_exact,
+    blob_files,
+    drop_caches,
+    stats,
+    wait_for,
+)
 
 MiB = 1 << 20
 NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
                                 reason="pyfuse3 without kvfs's passthrough patch")
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def errno_of(call, *args) -> int:

@@ -14,12 +14,11 @@ import os
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pyfuse3
 import pytest
-from conftest import KvfsMount, assert_counters_exact, stats
-from test_passthrough import drop_caches, errno_of
+from conftest import KvfsMount, assert_counters_exact, drop_caches, stats
+from test_passthrough import errno_of
 
 MiB = 1 << 20
 
