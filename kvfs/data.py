@@ -29,6 +29,7 @@ import functools
 import os
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -39,6 +40,7 @@ BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kerne
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
 VERIFY_RUN_BLOCKS = 8  # blocks one worker verifies in a row when a whole blob is checked
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
+_HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
 
 
 def data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
@@ -403,17 +405,23 @@ class StagedFile:
         sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks  # holes, unless data says else
         if blocks:
             sums[-1] = zero_sum(block_length(self.size, blocks - 1))
-        for start, end in data_ranges(self.fd, self.size):
-            for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
-                if block not in self.sums:
-                    data = os.pread(self.fd, block_length(self.size, block), block * BLOCK_SIZE)
-                    self.sums[block] = xxhash.xxh3_64_intdigest(data)
+        unhashed = [block for start, end in data_ranges(self.fd, self.size)
+                    for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1)
+                    if block not in self.sums]
+        # xxhash lets go of the GIL: blocks written by the kernel are hashed side by side.
+        for block, digest in zip(unhashed, _HASHERS.map(self._hash_block, unhashed),
+                                 strict=True):
+            self.sums[block] = digest
         for block, digest in self.sums.items():
             sums[block] = digest
         if self.store.fsync:
             os.fdatasync(self.fd)
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums)
         return self._finished
+
+    def _hash_block(self, block: int) -> int:
+        return xxhash.xxh3_64_intdigest(
+            os.pread(self.fd, block_length(self.size, block), block * BLOCK_SIZE))
 
     def publish(self) -> None:
         if not self.published:

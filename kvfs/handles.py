@@ -32,10 +32,12 @@ file deleted by the reaper, in a worker thread, off the request loop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
 BLOB_ID_BATCH = 256
+SPARE_STAGING_FILES = 32  # made ahead in a worker thread: a create on the volume costs
 T = TypeVar("T")
 
 
@@ -173,6 +176,7 @@ class FileTable:
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
         self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
         self._next_fh = count(1)
+        self._opening: Counter[int] = Counter()  # opens under way, per inode
         self._blob_ids: range = range(0)
         self._doomed: list[int] = []  # blobs whose data files the reaper deletes
         # Committed blobs a flush is still moving into blobs/, and those of them replaced
@@ -180,6 +184,8 @@ class FileTable:
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
         self._reap_wanted = trio.Event()
+        self._spares: list[tuple[int, int]] = []  # (blob id, descriptor) of empty staged files
+        self._spares_wanted = trio.Event()
 
     # -- attributes ----------------------------------------------------------------------
 
@@ -197,7 +203,20 @@ class FileTable:
 
     # -- open / close --------------------------------------------------------------------
 
-    async def open(self, inode: Inode, flags: int, caller: Caller) -> Opened:
+    async def open(self, inode: Inode, flags: int, caller: Caller,
+                   created: bool = False) -> Opened:
+        """Open a file; `created`: by the request that made it (its maker may write through
+        the kernel)."""
+        self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
+        try:
+            return await self._open_file(inode, flags, caller, created)
+        finally:
+            self._opening[inode.ino] -= 1
+            if not self._opening[inode.ino]:
+                del self._opening[inode.ino]
+
+    async def _open_file(self, inode: Inode, flags: int, caller: Caller,
+                         created: bool) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
@@ -233,7 +252,7 @@ class FileTable:
             self._clear_privileges(handle)  # truncation by open is a write: it clears them
         if self.passthrough.available():
             if writable:
-                return await self._open_writer(state, handle, flags)
+                return await self._open_writer(state, handle, flags, created)
             return self._open_for_passthrough(state, handle,
                                               self._passes_through(writable, flags, blob))
         self.stats.opens_daemon += not writable
@@ -301,19 +320,18 @@ class FileTable:
         self.stats.opens_daemon += 1
         return Opened(handle.fh, direct_io=True, keep_cache=True)
 
-    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
-        """A writer that has the inode to itself, whose staged file holds all its content
-        (a new or truncated file) and whose writes clear no setuid/setgid writes through
-        the kernel straight into that file, in room reserved up front. Others are served
-        here, direct_io, each write accounted and hashed as it comes."""
+    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int,
+                           created: bool) -> Opened:
+        """The maker of a new file (LMCache's `<key>.tmp`), alone on it, writes through the
+        kernel straight into its staged file, in room reserved up front. Others are served
+        here, direct_io, each write accounted and hashed as it comes: a reader that opens a
+        file beside a kernel writer cannot be (the kernel takes no other open of the inode)
+        and waits for it, so rewrites of files others may be reading stay served here."""
         inode = state.inode
-        if (flags & os.O_DIRECT or len(state.handles) > 1 or state.writers_waiting
-                or (handle.blob is not None and handle.staged is None)
-                or (handle.kill_privs and privileges_to_clear(inode, handle.kill_privs))):
+        if (not created or flags & os.O_DIRECT or len(state.handles) > 1
+                or state.writers_waiting or self._opening[inode.ino] > 1):
             return self._served_writer(handle)
         staged = self._staged(handle)
-        if not staged.independent:
-            return self._served_writer(handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
@@ -438,8 +456,39 @@ class FileTable:
                 log.exception("deleting %d data files failed; recovery retries them",
                               len(doomed))
 
+    async def run_spares(self) -> None:
+        """Background: keep SPARE_STAGING_FILES empty staged files made (recovery deletes
+        them after a crash, like any uncommitted staged file)."""
+        while True:
+            await self._spares_wanted.wait()
+            self._spares_wanted = trio.Event()
+            wanted = [self._new_blob_id() for _ in range(SPARE_STAGING_FILES - len(self._spares))]
+            try:
+                self._spares += await trio.to_thread.run_sync(self._make_spares, wanted)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("making spare staged files failed; writers make their own")
+                await trio.sleep(1)
+
+    def _make_spares(self, blob_ids: list[int]) -> list[tuple[int, int]]:
+        made: list[tuple[int, int]] = []
+        try:
+            for blob_id in blob_ids:
+                made.append((blob_id, self.data.create_staging(blob_id)))
+        except OSError:
+            self._drop_spares(made)
+            raise
+        return made
+
+    def _drop_spares(self, spares: list[tuple[int, int]]) -> None:
+        for blob_id, fd in spares:
+            os.close(fd)
+            self.data.discard_staging(blob_id)
+
     def reap_remaining(self) -> None:
         """At unmount: delete what the reaper had not reached yet."""
+        self._drop_spares(self._spares)
+        self._spares = []
         doomed = self._doomed + sorted(self._doomed_when_published)
         self._doomed, self._doomed_when_published = [], set()
         self._reap(doomed)
@@ -526,7 +575,9 @@ class FileTable:
         if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            handle.staged = StagedFile(self.data, self._new_blob_id(), handle.fd, handle.blob)
+            blob_id, fd = self._spares.pop() if self._spares else (self._new_blob_id(), None)
+            self._spares_wanted.set()
+            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob, fd=fd)
         return handle.staged
 
     def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
@@ -576,7 +627,8 @@ class FileTable:
                 return False
             if not staged.committed and not await self._commit(handle, staged):
                 return False
-            await trio.to_thread.run_sync(staged.publish)
+            if not staged.published:  # failed right after the commit: try again, or say why
+                await trio.to_thread.run_sync(staged.publish)
             self._publishing_over(staged.blob_id)
             self.verifier.written(staged.blob_id, staged.fd)
             staged.changed = False
@@ -610,8 +662,11 @@ class FileTable:
         return True
 
     def _finish_and_commit(self, ino: int, staged: StagedFile) -> tuple[BlobInfo, Inode, int]:
+        """Hash, commit and (in the same worker thread) publish."""
         blob = staged.finish(ino)
         inode, old_blob = self.meta.commit_content(ino, blob)
+        with contextlib.suppress(OSError):  # the flush tries again and reports the error
+            staged.publish()
         return blob, inode, old_blob
 
     def _discard_staged(self, handle: Handle) -> None:

@@ -873,10 +873,12 @@ class Roots:
     plain: Path
 
 
-@pytest.fixture(scope="module")
-def roots() -> Iterator[Roots]:
+@pytest.fixture(scope="module", params=["1G", "8G"], ids=["daemon-writes", "kernel-writes"])
+def roots(request: pytest.FixtureRequest) -> Iterator[Roots]:
     """A kvfs mount (--allow-other) and a plain directory, both in a 0755 directory under
-    /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them."""
+    /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them. Pools
+    under 4 GiB have kvfs serve every write; larger ones let the kernel write new and
+    truncated files (passthrough, where available)."""
     base = Path(tempfile.mkdtemp(prefix="kvfs-differential-", dir="/var/tmp"))
     try:
         base.chmod(0o755)
@@ -884,7 +886,8 @@ def roots() -> Iterator[Roots]:
         plain = base / "plain"
         plain.mkdir()
         plain.chmod(0o755)
-        mount = KvfsMount(base / "mnt", base / "data", ["--capacity", "1G", "--allow-other"])
+        mount = KvfsMount(base / "mnt", base / "data",
+                          ["--capacity", request.param, "--allow-other"])
         try:
             mount.mount()
             yield Roots(mount, plain)
