@@ -208,7 +208,6 @@ class Daemon:
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
-            nursery.start_soon(self.files.run_spares)
             self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()

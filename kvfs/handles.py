@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 
 WRITER_WAIT_SECONDS = 2.0
 BLOB_ID_BATCH = 256
-SPARE_STAGING_FILES = 32  # made ahead in a worker thread: a create on the volume costs
 T = TypeVar("T")
 
 
@@ -184,8 +183,6 @@ class FileTable:
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
         self._reap_wanted = trio.Event()
-        self._spares: list[tuple[int, int]] = []  # (blob id, descriptor) of empty staged files
-        self._spares_wanted = trio.Event()
 
     # -- attributes ----------------------------------------------------------------------
 
@@ -456,39 +453,8 @@ class FileTable:
                 log.exception("deleting %d data files failed; recovery retries them",
                               len(doomed))
 
-    async def run_spares(self) -> None:
-        """Background: keep SPARE_STAGING_FILES empty staged files made (recovery deletes
-        them after a crash, like any uncommitted staged file)."""
-        while True:
-            await self._spares_wanted.wait()
-            self._spares_wanted = trio.Event()
-            wanted = [self._new_blob_id() for _ in range(SPARE_STAGING_FILES - len(self._spares))]
-            try:
-                self._spares += await trio.to_thread.run_sync(self._make_spares, wanted)
-            except Exception:
-                self.stats.background_errors += 1
-                log.exception("making spare staged files failed; writers make their own")
-                await trio.sleep(1)
-
-    def _make_spares(self, blob_ids: list[int]) -> list[tuple[int, int]]:
-        made: list[tuple[int, int]] = []
-        try:
-            for blob_id in blob_ids:
-                made.append((blob_id, self.data.create_staging(blob_id)))
-        except OSError:
-            self._drop_spares(made)
-            raise
-        return made
-
-    def _drop_spares(self, spares: list[tuple[int, int]]) -> None:
-        for blob_id, fd in spares:
-            os.close(fd)
-            self.data.discard_staging(blob_id)
-
     def reap_remaining(self) -> None:
         """At unmount: delete what the reaper had not reached yet."""
-        self._drop_spares(self._spares)
-        self._spares = []
         doomed = self._doomed + sorted(self._doomed_when_published)
         self._doomed, self._doomed_when_published = [], set()
         self._reap(doomed)
@@ -575,9 +541,7 @@ class FileTable:
         if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            blob_id, fd = self._spares.pop() if self._spares else (self._new_blob_id(), None)
-            self._spares_wanted.set()
-            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob, fd=fd)
+            handle.staged = StagedFile(self.data, self._new_blob_id(), handle.fd, handle.blob)
         return handle.staged
 
     def _take_kernel_writes(self, handle: Handle, staged: StagedFile,

@@ -597,9 +597,7 @@ class Soak:
         visible = sum(self.visible_files().values())
         st = os.statvfs(self.mountpoint)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        # Empty ones are the daemon's spares, made ahead for writers.
-        staged = sorted(p.name for p in (self.data / "staging").iterdir()
-                        if p.stat().st_size)
+        staged = sorted(p.name for p in (self.data / "staging").iterdir())
         problems = []
         if on_volume != visible:
             problems.append(f"{on_volume} bytes of blob files, {visible} bytes visible")

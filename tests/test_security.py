@@ -55,4 +55,4 @@ def test_data_stays_inside_the_data_directory(make_mount, tmp_path: Path) -> Non
     before = {p.name for p in tmp_path.iterdir()}
     assert before == {"mnt0", "data0"}
     stored = {p.relative_to(kvfs.data).parts[0] for p in kvfs.data.rglob("*") if p.is_file()}
-    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log"}
+    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log", "verified-blobs"}
