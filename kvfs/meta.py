@@ -38,6 +38,7 @@ through.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import struct
@@ -45,13 +46,18 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from queue import SimpleQueue
+from typing import TypeVar
 
 import lmdb
 
 from kvfs.models import model_of
+
+log = logging.getLogger(__name__)
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -64,6 +70,11 @@ DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
 LINK_MAX = 65000  # as ext4
+
+ID_BATCH = 1024  # inode numbers and cookies the committer takes at once
+IDS_PER_CHANGE = 4  # the most one change takes (an exchange: two cookies)
+GROUP_MAX = 256  # changes committed together at most
+T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
@@ -204,6 +215,8 @@ class MetaStore:
         # add to it and commit concurrently, so it is a set under a lock.
         self._reaped: set[int] = set()
         self._reaped_lock = threading.Lock()
+        self._ids: range = range(0)
+        self._committer: _GroupCommitter | None = None
         if readonly:
             return
         with self.env.begin(write=True) as txn:
@@ -214,8 +227,11 @@ class MetaStore:
                 self._migrate_from_v1(txn)
             elif stored != FORMAT:
                 raise RuntimeError(f"unsupported metadata format {stored!r} in {path}")
+        self._committer = _GroupCommitter(self)
 
     def close(self) -> None:
+        if self._committer is not None:
+            self._committer.stop()
         self.env.close()
 
     def _format(self, txn: lmdb.Transaction) -> None:
@@ -273,8 +289,22 @@ class MetaStore:
         with self._reaped_lock:
             self._reaped -= taken
 
-    def _write(self) -> _WriteTxn:
-        return _WriteTxn(self)
+    def _change(self, change: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `change` in a write transaction of the group committer; returns once it is
+        committed and synced (FsError, ENOSPC for a full map, as it raised)."""
+        assert self._committer is not None, "a read-only store changes nothing"
+        return self._committer.run(change)
+
+    def _take_id(self) -> int:
+        """A fresh inode number or dirlist cookie (committer thread only: the committer keeps
+        ids in stock, taken from `next_ino` in batches)."""
+        ino, self._ids = self._ids[0], self._ids[1:]
+        return ino
+
+    def _stock_ids(self, txn: lmdb.Transaction, wanted: int) -> None:
+        if len(self._ids) < wanted:
+            end = self._add_counter(txn, "next_ino", ID_BATCH + wanted)
+            self._ids = range(end - ID_BATCH - wanted, end)
 
     def _counter(self, txn: lmdb.Transaction, name: str) -> int:
         raw = txn.get(name.encode(), db=self._db["counters"])
@@ -333,7 +363,7 @@ class MetaStore:
         return None if raw is None else self._get(txn, from_u64(raw))
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
-        cookie = u64(self._add_counter(txn, "next_ino", 1) - 1)
+        cookie = u64(self._take_id())
         txn.put(u64(parent) + name, u64(ino) + cookie, db=self._db["dentry"])
         txn.put(u64(parent) + cookie, u64(ino) + name, db=self._db["dirlist"])
         txn.put(u64(ino) + u64(parent) + name, b"", db=self._db["links"])
@@ -463,8 +493,9 @@ class MetaStore:
             return self._capacity(txn)
 
     def set_capacity(self, capacity: int) -> None:
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             txn.put(b"capacity", u64(capacity), db=self._db["settings"])
+        self._change(change)
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         with self.env.begin() as txn:
@@ -531,18 +562,19 @@ class MetaStore:
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> Inode:
             parent_inode = self._dir(txn, parent)
             if self._child(txn, parent, name) is not None:
                 raise fail(errno.EEXIST)
-            ino = self._add_counter(txn, "next_ino", 1) - 1
+            ino = self._take_id()
             is_dir = stat.S_ISDIR(mode)
+            owner_gid, full_mode = gid, mode
             if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
-                gid = parent_inode.gid
-                mode |= stat.S_ISGID if is_dir else 0
+                owner_gid = parent_inode.gid
+                full_mode |= stat.S_ISGID if is_dir else 0
             size = len(target) if target else 0
-            inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, rdev, size, 0, now, now, now,
-                          parent, 0, 0, name)
+            inode = Inode(ino, full_mode, 2 if is_dir else 1, uid, owner_gid, rdev, size, 0, now,
+                          now, now, parent, 0, 0, name)
             self._put(txn, inode)
             if target:
                 txn.put(u64(ino), target, db=self._db["symlink"])
@@ -553,14 +585,15 @@ class MetaStore:
                                    mtime_ns=now, ctime_ns=now))
             if not is_dir:
                 self._add_counter(txn, "files", 1)
-        return inode
+            return inode
+        return self._change(change)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         """A further name for a non-directory (a hard link)."""
         check_name(new_name)
         self._check_room()
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> Inode:
             inode = self._get(txn, ino)
             if inode.is_dir:
                 raise fail(errno.EPERM)
@@ -573,13 +606,14 @@ class MetaStore:
             inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
             self._put(txn, inode)
             self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
-        return inode
+            return inode
+        return self._change(change)
 
     def remove(self, parent: int, name: bytes, is_dir: bool) -> Removed:
         """unlink (is_dir False) or rmdir (True) of one name."""
         check_name(name)
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> Removed:
             parent_inode = self._dir(txn, parent)
             inode = self._child(txn, parent, name)
             if inode is None:
@@ -598,7 +632,8 @@ class MetaStore:
                 after = self._drop_name(txn, inode, parent, name, now)
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink - inode.is_dir,
                                    mtime_ns=now, ctime_ns=now))
-        return Removed(after, [(parent, name)])
+            return Removed(after, [(parent, name)])
+        return self._change(change)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int) -> tuple[Inode, Removed | None]:
@@ -610,7 +645,7 @@ class MetaStore:
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> tuple[Inode, Removed | None]:
             self._dir(txn, old_parent)
             self._dir(txn, new_parent)
             moved = self._child(txn, old_parent, old_name)
@@ -647,7 +682,8 @@ class MetaStore:
                                     (new_parent, new_name), now)
             self._adjust_parent(txn, old_parent, -moved.is_dir, now)
             self._adjust_parent(txn, new_parent, moved.is_dir, now)
-        return moved, replaced
+            return moved, replaced
+        return self._change(change)
 
     def _move_name(self, txn: lmdb.Transaction, inode: Inode, old: tuple[int, bytes],
                    new: tuple[int, bytes], now: int) -> Inode:
@@ -714,7 +750,7 @@ class MetaStore:
                   mtime_ns: int | None = None, clear_mode: int = 0) -> Inode:
         """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
         setgid on writes), inside the same transaction."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> Inode:
             inode = self._get(txn, ino)
             if clear_mode and not inode.mode & clear_mode and mode is None:
                 return inode  # a write that finds nothing to clear changes no attribute
@@ -731,20 +767,22 @@ class MetaStore:
             self._put(txn, updated)
             if updated.atime_ns != inode.atime_ns:
                 self._index_use(txn, inode, inode.atime_ns, updated.atime_ns)
-        return updated
+            return updated
+        return self._change(change)
 
     def allocate_blob_ids(self, count: int) -> range:
         """Take `count` blob ids in one transaction (writers take them in batches)."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> range:
             end = self._add_counter(txn, "next_blob", count)
-        return range(end - count, end)
+            return range(end - count, end)
+        return self._change(change)
 
     def commit_content(self, ino: int, blob: BlobInfo | None) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
 
         Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> tuple[Inode, int]:
             inode = self._get(txn, ino)
             old_blob = inode.blob
             self._release_blob(txn, old_blob)
@@ -759,14 +797,15 @@ class MetaStore:
             self._put(txn, updated)
             self._index_use(txn, inode, inode.atime_ns, now)
             self._count_model(txn, inode, inode.name, 0, allocated - inode.allocated)
-        return updated, old_blob
+            return updated, old_blob
+        return self._change(change)
 
     def drop_files(self, inos: Iterable[int]) -> list[Removed]:
         """Remove files with every name they have (eviction, lost data), in one transaction;
         inodes already gone are skipped."""
         dropped = []
         now = time.time_ns()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> list[Removed]:
             for ino in inos:
                 try:
                     inode = self._get(txn, ino)
@@ -778,33 +817,38 @@ class MetaStore:
                     self._adjust_parent(txn, parent, 0, now)
                 self._drop_inode(txn, inode)
                 dropped.append(Removed(replace(inode, nlink=0), names))
-        return dropped
+            return dropped
+        return self._change(change)
 
     def remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """fsck: delete a directory entry whose inode is missing."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             self._unlink(txn, parent, name, ino)
+        self._change(change)
 
     def set_nlink(self, ino: int, nlink: int) -> None:
         """fsck: set a file's link count to the number of its names."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             self._put(txn, replace(self._get(txn, ino), nlink=nlink))
+        self._change(change)
 
     def forget_blob(self, blob_id: int) -> None:
         """fsck: delete a blob record no inode points at (its data file goes with it)."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             txn.delete(u64(blob_id), db=self._db["blob"])
             txn.put(u64(blob_id), b"", db=self._db["doomed"])
+        self._change(change)
 
     def set_usage(self, used: int, files: int, models: dict[str, dict[str, int]]) -> None:
         """fsck: reset the usage counters to what was counted."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             self._set_counter(txn, "used_bytes", used)
             self._set_counter(txn, "files", files)
             txn.drop(self._db["models"], delete=False)
             for model, counts in models.items():
                 txn.put(model.encode(), _MODEL.pack(counts["files"], counts["bytes"]),
                         db=self._db["models"])
+        self._change(change)
 
     def reaped(self, blob_ids: list[int]) -> None:
         """Doomed blobs whose files are gone; their records go with the next commit."""
@@ -812,14 +856,15 @@ class MetaStore:
             self._reaped.update(blob_ids)
 
     def flush_reaped(self) -> None:
-        with self._write():
+        def change(txn: lmdb.Transaction) -> None:
             pass
+        self._change(change)
 
     # -- recency and xattrs ----------------------------------------------------------------
 
     def touch(self, uses: dict[int, int]) -> None:
         """Record the last use (ns) of files in one transaction; gone inodes are skipped."""
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             for ino, used_ns in uses.items():
                 raw = txn.get(u64(ino), db=self._db["inode"])
                 if raw is None:
@@ -828,6 +873,7 @@ class MetaStore:
                 if used_ns > inode.atime_ns:
                     self._put(txn, replace(inode, atime_ns=used_ns))
                     self._index_use(txn, inode, inode.atime_ns, used_ns)
+        self._change(change)
 
     def least_recent(self, limit: int, after: bytes = b"") -> list[tuple[bytes, Inode]]:
         """Up to `limit` files, least recently used first, each with its position; pass the
@@ -861,21 +907,23 @@ class MetaStore:
         if not name or len(name) > NAME_MAX:
             raise fail(errno.ERANGE)
         self._check_room()
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             inode = self._get(txn, ino)
             txn.put(u64(ino) + name, value, db=self._db["xattr"])
             if name == PIN_XATTR:
                 txn.put(u64(ino), b"", db=self._db["pins"])
             self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+        self._change(change)
 
     def removexattr(self, ino: int, name: bytes) -> None:
-        with self._write() as txn:
+        def change(txn: lmdb.Transaction) -> None:
             inode = self._get(txn, ino)
             if not txn.delete(u64(ino) + name, db=self._db["xattr"]):
                 raise fail(errno.ENODATA)
             if name == PIN_XATTR:
                 txn.delete(u64(ino), db=self._db["pins"])
             self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+        self._change(change)
 
 
 def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
@@ -896,24 +944,78 @@ def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
     return used, files, models
 
 
-class _WriteTxn:
-    """A write transaction that maps a full LMDB map to ENOSPC and aborts on any error."""
+class _GroupCommitter:
+    """Group commit: one thread makes every change. Changes that queue up while a commit
+    syncs go into the next transaction together, each in a nested transaction of its own (a
+    change that fails undoes only itself), and share its one sync; each caller is answered
+    once the commit holding its change is durable."""
 
     def __init__(self, store: MetaStore) -> None:
         self.store = store
+        self._queue: SimpleQueue[tuple[Callable[[lmdb.Transaction], object], Future] | None] \
+            = SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kvfs-commit", daemon=True)
+        self._thread.start()
 
-    def __enter__(self) -> lmdb.Transaction:
-        self.txn, self.reaped = self.store._begin_write()
-        return self.txn
+    def run(self, change: Callable[[lmdb.Transaction], T]) -> T:
+        future: Future[T] = Future()
+        self._queue.put((change, future))
+        return future.result()
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        if exc_type is not None:
-            self.txn.abort()
-            if isinstance(exc, lmdb.MapFullError):
-                raise fail(errno.ENOSPC) from exc
-            return
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        stopping = False
+        while not stopping:
+            group = []
+            while not group or (len(group) < GROUP_MAX and not self._queue.empty()):
+                item = self._queue.get()
+                if item is None:
+                    stopping = True
+                    break
+                group.append(item)
+            try:
+                self._commit(group)
+            except BaseException as error:  # never leave a caller waiting for ever
+                log.exception("group commit failed")
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(error)
+
+    def _commit(self, group: list[tuple[Callable[[lmdb.Transaction], object], Future]]) -> None:
+        store = self.store
+        outcomes: list[tuple[object, BaseException | None]] = []
         try:
-            self.txn.commit()
-        except lmdb.MapFullError as full:
-            raise fail(errno.ENOSPC) from full
-        self.store._forget_reaped(self.reaped)
+            txn, reaped = store._begin_write()
+            try:
+                store._stock_ids(txn, IDS_PER_CHANGE * len(group))
+                for change, _ in group:
+                    outcomes.append(self._apply(txn, change))
+                txn.commit()
+            except BaseException:
+                txn.abort()
+                raise
+        except BaseException as error:  # nothing of the group is committed
+            store._ids = range(0)  # ids taken in the aborted transaction may come again
+            failure = fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
+            outcomes = [(None, failure)] * len(group)
+        else:
+            store._forget_reaped(reaped)
+        for (_, future), (result, error) in zip(group, outcomes, strict=True):
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def _apply(self, txn: lmdb.Transaction, change: Callable[[lmdb.Transaction], object]
+               ) -> tuple[object, BaseException | None]:
+        nested = self.store.env.begin(write=True, parent=txn)
+        try:
+            result = change(nested)
+            nested.commit()
+        except BaseException as error:
+            nested.abort()
+            return None, fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
+        return result, None
