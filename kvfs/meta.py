@@ -31,6 +31,12 @@ occupy on the volume (holes take none), each blob once however many names its in
 A file's atime is its last use (lookup, open, read; flushed in batches), and `recency` indexes
 files by it so that eviction walks them oldest first without a scan.
 
+Every change runs in the group committer's thread (`_GroupCommitter`): changes that queue
+while a commit syncs share the next transaction, each in a nested transaction of its own, and
+one sync; a caller returns once its change is durable. Inode numbers and cookies come from a
+stock the committer takes from `next_ino` in batches (ID_BATCH), so that the counter is
+written once per batch, not by every create; ids of a batch lost in a crash are never reused.
+
 Errors are raised as `FsError` (an OSError) with a precise errno; the FUSE layer passes them
 through.
 """
