@@ -39,7 +39,7 @@ import os
 import stat
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 from typing import TypeVar
@@ -115,11 +115,14 @@ class Opened:
     direct_io: bool
     keep_cache: bool
     backing_id: int = 0
+    read_only: bool = False
 
     def file_info(self) -> FileInfo:
         info = FileInfo(fh=self.fh, direct_io=self.direct_io, keep_cache=self.keep_cache)
         if self.backing_id:
             info.backing_id = self.backing_id
+        if self.read_only and hasattr(info, "noflush"):  # kvfs's pyfuse3 patch
+            info.noflush = True  # its close has nothing to commit: no FLUSH round trip
         return info
 
 
@@ -206,7 +209,8 @@ class FileTable:
         the kernel)."""
         self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
         try:
-            return await self._open_file(inode, flags, caller, created)
+            opened = await self._open_file(inode, flags, caller, created)
+            return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
         finally:
             self._opening[inode.ino] -= 1
             if not self._opening[inode.ino]:

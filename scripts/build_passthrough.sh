@@ -53,8 +53,8 @@ fi
 
 # 3. pyfuse3 with the passthrough patch, against that libfuse (rpath: no system change).
 cd "$REPO"
-if ! "$PY" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'passthrough_enabled'))" \
-        2>/dev/null; then
+if ! "$PY" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3.FileInfo(), 'noflush'))" \
+        2>/dev/null; then  # built with this patch (its newest part)
     rm -rf "$WORK/pyfuse3-$PYFUSE3_VERSION"
     tar xzf "$WORK/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$WORK"
     patch -d "$WORK/pyfuse3-$PYFUSE3_VERSION" -p1 -s <scripts/pyfuse3-passthrough.patch
