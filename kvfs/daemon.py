@@ -27,7 +27,7 @@ from kvfs.handles import FileTable
 from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
-from kvfs.passthrough import Passthrough
+from kvfs.passthrough import Passthrough, boot_id
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -112,13 +112,23 @@ def open_metadata(config: MountConfig) -> MetaStore:
                          f"check it with: kvfs fsck --data {config.data}") from None
 
 
-def recover(meta: MetaStore, data: DataStore) -> None:
-    """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed data."""
+def recover(meta: MetaStore, data: DataStore) -> list[int]:
+    """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed data,
+    except files the kernel wrote whose sums were still to be taken when the machine went
+    down: their bytes may not have reached the volume, so they are dropped (a miss, not a
+    wrong chunk). Returns the blobs whose sums are still to be taken (same boot)."""
     published, discarded = data.recover(meta.is_committed_blob)
+    pending = meta.pending()
+    rebooted = meta.swap_boot(boot_id().encode()) != boot_id().encode()
+    if pending and rebooted:
+        meta.drop_files({ino for _, ino in pending})
+        log.warning("recovery: %d files written just before a reboot dropped (their "
+                    "checksums were not taken yet)", len(pending))
     unlinks = finish_unlinks(meta, data)
     if published or discarded or unlinks:
         log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
                  published, discarded, unlinks)
+    return [] if rebooted else [blob_id for blob_id, _ in pending]
 
 
 def finish_unlinks(meta: MetaStore, data: DataStore) -> int:
@@ -150,7 +160,7 @@ class Daemon:
         self.config = config
         self.meta = open_metadata(config)
         self.data = DataStore(config.data, fsync=config.fsync)
-        recover(self.meta, self.data)
+        pending = recover(self.meta, self.data)
         if config.capacity is not None:
             self.meta.set_capacity(config.capacity)
         elif not self.meta.capacity():
@@ -167,6 +177,8 @@ class Daemon:
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.files.verifier.load(config.data / VERIFIED_NAME)
+        for blob_id in pending:
+            self.files.hasher.want(blob_id)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough)
 
@@ -208,6 +220,7 @@ class Daemon:
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
+            nursery.start_soon(self.files.hasher.run)
             self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -227,6 +240,7 @@ class Daemon:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
         self.meta.touch(self.space.take_uses())
+        self.files.hasher.settle_remaining()
         self.files.reap_remaining()
         self.meta.flush_reaped()
         try:

@@ -70,6 +70,32 @@ def block_length(size: int, block: int) -> int:
     return min(BLOCK_SIZE, size - block * BLOCK_SIZE)
 
 
+def block_sums(fd: int, size: int, known: dict[int, int] | None = None,
+               side_by_side: bool = True) -> array:
+    """The xxh3 of every block of a file: `known` ones as given, holes without reading,
+    the rest read (from the page cache, where it was just written) and hashed, side by side
+    in worker threads (xxhash lets go of the GIL) or, in the background, in this one."""
+    known = known or {}
+    blocks = -(-size // BLOCK_SIZE)
+    sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks
+    if blocks:
+        sums[-1] = zero_sum(block_length(size, blocks - 1))
+    unhashed = [block for start, end in data_ranges(fd, size)
+                for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1)
+                if block not in known]
+
+    def hash_block(block: int) -> int:
+        return xxhash.xxh3_64_intdigest(
+            os.pread(fd, block_length(size, block), block * BLOCK_SIZE))
+
+    digests = _HASHERS.map(hash_block, unhashed) if side_by_side else map(hash_block, unhashed)
+    for block, digest in zip(unhashed, digests, strict=True):
+        sums[block] = digest
+    for block, digest in known.items():
+        sums[block] = digest
+    return sums
+
+
 def writable_length(offset: int, length: int) -> int:
     """How much of a write at `offset` fits below the largest size: the rest is cut off (a
     short write, as Linux does); nothing fits: EFBIG."""
@@ -222,12 +248,16 @@ class DataStore:
         return done
 
     def verify(self, info: BlobInfo) -> str | None:
-        """Check a whole blob (fsck); returns what is wrong, or None when it is intact."""
+        """Check a whole blob (fsck); returns what is wrong, or None when it is intact (of a
+        blob whose sums are pending, only its size can be checked)."""
         try:
             fd = self.open_blob(info.blob_id)
         except FileNotFoundError:
             return "data file missing"
         try:
+            if info.pending:
+                size = os.fstat(fd).st_size
+                return None if size == info.size else f"{size} bytes, expected {info.size}"
             buffer = bytearray(info.block_size)
             for first, count in self.data_runs(fd, info, VERIFY_RUN_BLOCKS):
                 self.check_run(fd, info, first, count, buffer)
@@ -393,35 +423,25 @@ class StagedFile:
         fd = self._base[0] if self._base is not None else self.fd  # reading copies nothing
         return os.pread(fd, size, offset)
 
-    def finish(self, ino: int) -> BlobInfo:
-        """Hash what was not hashed while streaming, flush if asked; the blob is final.
-        Idempotent until the next change."""
+    def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
+        """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be
+        taken after the commit), flush if asked; the blob is final. Idempotent until the
+        next change."""
         if self._finished is not None:
             return self._finished
         self._materialize()
-        blocks = -(-self.size // BLOCK_SIZE)
-        if self._stream_end == self.size and self.size % BLOCK_SIZE:
-            self.sums[blocks - 1] = self._hasher.intdigest()  # the stream's partial last block
-        sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks  # holes, unless data says else
-        if blocks:
-            sums[-1] = zero_sum(block_length(self.size, blocks - 1))
-        unhashed = [block for start, end in data_ranges(self.fd, self.size)
-                    for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1)
-                    if block not in self.sums]
-        # xxhash lets go of the GIL: blocks written by the kernel are hashed side by side.
-        for block, digest in zip(unhashed, _HASHERS.map(self._hash_block, unhashed),
-                                 strict=True):
-            self.sums[block] = digest
-        for block, digest in self.sums.items():
-            sums[block] = digest
+        if hash_later:
+            sums, pending = array("Q"), True
+        else:
+            blocks = -(-self.size // BLOCK_SIZE)
+            if self._stream_end == self.size and self.size % BLOCK_SIZE:
+                self.sums[blocks - 1] = self._hasher.intdigest()  # the stream's partial block
+            sums, pending = block_sums(self.fd, self.size, self.sums), False
         if self.store.fsync:
             os.fdatasync(self.fd)
-        self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums)
+        self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
+                                  pending)
         return self._finished
-
-    def _hash_block(self, block: int) -> int:
-        return xxhash.xxh3_64_intdigest(
-            os.pread(self.fd, block_length(self.size, block), block * BLOCK_SIZE))
 
     def publish(self) -> None:
         if not self.published:

@@ -56,7 +56,7 @@ from kvfs.data import (
     writable_length,
 )
 from kvfs.meta import BlobInfo, FsError, Inode, MetaStore, Removed, fail
-from kvfs.passthrough import Passthrough, Verifier
+from kvfs.passthrough import LateHasher, Passthrough, Verifier
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -169,6 +169,7 @@ class FileTable:
         self.cache = cache
         self.passthrough = passthrough
         self.verifier = Verifier(data, stats)
+        self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.stats = stats
         self.space = space
         self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
@@ -227,10 +228,10 @@ class FileTable:
             await self._wait_for_kernel_users(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since the lookup.
-        inode, blob = self.meta.content(inode.ino)
+        inode, blob = await self._content(inode.ino)
         if self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
-            inode, blob = self.meta.content(inode.ino)
+            inode, blob = await self._content(inode.ino)
         fd = self._open_blob(inode, blob)
         if self._passes_through(writable, flags, blob):
             await self._verify_whole(inode, blob, fd)
@@ -268,6 +269,20 @@ class FileTable:
         handle.page_cache = True
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
+
+    async def _content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+        """The inode and its blob record, with block sums: those of a blob the kernel wrote
+        are taken first if the background has not yet (EIO, the file dropped, if its data
+        file is not what was committed)."""
+        inode, blob = self.meta.content(ino)
+        if blob is not None and blob.pending:
+            try:
+                await self.hasher.settle(blob.blob_id)
+            except ChecksumError as error:
+                self._drop_damaged(inode, str(error), blob)
+                raise fail(errno.EIO) from None
+            inode, blob = self.meta.content(ino)
+        return inode, blob
 
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
         """Readers of a committed blob, not O_DIRECT (the kernel would read the blob with
@@ -610,7 +625,7 @@ class FileTable:
         self._publishing.add(staged.blob_id)
         try:
             blob, inode, old_blob = await trio.to_thread.run_sync(
-                self._finish_and_commit, handle.ino, staged)
+                self._finish_and_commit, handle.ino, staged, handle.backing)
         except BaseException as error:
             self._publishing_over(staged.blob_id)
             if not isinstance(error, FsError) or error.errno != errno.ENOENT:
@@ -618,6 +633,8 @@ class FileTable:
             self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
         staged.committed = True
+        if blob.pending:
+            self.hasher.want(blob.blob_id)
         self.space.inflight -= staged.physical  # now counted in the metadata's used bytes
         self.free_blob(old_blob)
         # Later writes on this handle start from what it just committed.
@@ -629,9 +646,11 @@ class FileTable:
         self.stats.commits += 1
         return True
 
-    def _finish_and_commit(self, ino: int, staged: StagedFile) -> tuple[BlobInfo, Inode, int]:
-        """Hash, commit and (in the same worker thread) publish."""
-        blob = staged.finish(ino)
+    def _finish_and_commit(self, ino: int, staged: StagedFile,
+                           hash_later: bool) -> tuple[BlobInfo, Inode, int]:
+        """Hash (unless the kernel wrote it: then in the background, after the commit),
+        commit and (in the same worker thread) publish."""
+        blob = staged.finish(ino, hash_later)
         inode, old_blob = self.meta.commit_content(ino, blob)
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()

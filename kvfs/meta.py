@@ -13,11 +13,12 @@ Key schema (one named database per family):
     xattr    ino + attribute name     -> value
     blob     blob id                  -> owner ino, size, allocated, block size, xxh3 per block
     doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
+    pending  blob id                  -> b""   (blobs whose block sums are still to be taken)
     recency  atime ns + ino           -> b""   (files by last use: eviction order)
     pins     ino                      -> b""   (files and directories with user.kvfs.pin)
     models   model name (utf-8)       -> i64 files + i64 allocated bytes (LMCache files per model)
     counters name                     -> u64   (next_ino, next_blob, used_bytes, files)
-    settings name                     -> bytes (format, capacity)
+    settings name                     -> bytes (format, capacity, boot: boot id of the last mount)
 
 Every directory entry has a cookie, unique for the volume's life (taken from the inode
 counter), so that readdir resumes after the last cookie it returned and a listing stays
@@ -86,12 +87,13 @@ _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
 _BLOB = struct.Struct("<QQQII")
 SUMS_COMPRESSED = 1  # blob record flag: the sums are zlib-compressed (large sparse files)
+SUMS_PENDING = 2  # blob record flag: written by the kernel, block sums not taken yet
 SUMS_COMPRESS_FROM = 64 << 10
 _MODEL = struct.Struct("<qq")
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
-FAMILIES = ("inode", "dentry", "dirlist", "links", "symlink", "xattr", "blob", "doomed",
+FAMILIES = ("inode", "dentry", "dirlist", "links", "symlink", "xattr", "blob", "doomed", "pending",
             "recency", "pins", "models", "counters", "settings")
 
 
@@ -174,12 +176,13 @@ class BlobInfo:
     size: int
     allocated: int
     block_size: int
-    sums: array  # xxh3-64 of each block
+    sums: array  # xxh3-64 of each block (empty while pending)
+    pending: bool = False  # the sums are taken after the commit (kernel-written blobs)
 
     def pack(self) -> bytes:
-        sums, flags = self.sums.tobytes(), 0
+        sums, flags = self.sums.tobytes(), SUMS_PENDING if self.pending else 0
         if len(sums) >= SUMS_COMPRESS_FROM:  # mostly holes: one repeated sum
-            sums, flags = zlib.compress(sums, 1), SUMS_COMPRESSED
+            sums, flags = zlib.compress(sums, 1), flags | SUMS_COMPRESSED
         return _BLOB.pack(self.ino, self.size, self.allocated, self.block_size, flags) + sums
 
     @classmethod
@@ -188,7 +191,7 @@ class BlobInfo:
         packed = bytes(raw[_BLOB.size:])
         sums = array("Q")
         sums.frombytes(zlib.decompress(packed) if flags & SUMS_COMPRESSED else packed)
-        return cls(blob_id, ino, size, allocated, block_size, sums)
+        return cls(blob_id, ino, size, allocated, block_size, sums, bool(flags & SUMS_PENDING))
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +438,7 @@ class MetaStore:
         raw = txn.pop(u64(blob_id), db=self._db["blob"])
         if raw is not None:
             self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
+        txn.delete(u64(blob_id), db=self._db["pending"])
         txn.put(u64(blob_id), b"", db=self._db["doomed"])
 
     # -- reads ---------------------------------------------------------------------------
@@ -535,6 +539,41 @@ class MetaStore:
         with self.env.begin() as txn:
             for key, child in txn.cursor(db=self._db["dentry"]):
                 yield from_u64(key[:8]), bytes(key[8:]), from_u64(child)
+
+    def blob_info(self, blob_id: int) -> BlobInfo | None:
+        with self.env.begin() as txn:
+            raw = txn.get(u64(blob_id), db=self._db["blob"])
+            return None if raw is None else BlobInfo.unpack(blob_id, raw)
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(blob id, owner ino) of blobs whose sums are still to be taken."""
+        with self.env.begin() as txn:
+            found = []
+            for key in txn.cursor(db=self._db["pending"]).iternext(values=False):
+                raw = txn.get(key, db=self._db["blob"])
+                if raw is not None:
+                    found.append((from_u64(key), BlobInfo.unpack(from_u64(key), raw).ino))
+            return found
+
+    def settle(self, blob_id: int, sums: array) -> BlobInfo | None:
+        """Record the block sums of a pending blob; None if it is gone (replaced, removed)."""
+        def change(txn: lmdb.Transaction) -> BlobInfo | None:
+            raw = txn.get(u64(blob_id), db=self._db["blob"])
+            if raw is None:
+                return None
+            settled = replace(BlobInfo.unpack(blob_id, raw), sums=sums, pending=False)
+            txn.put(u64(blob_id), settled.pack(), db=self._db["blob"])
+            txn.delete(u64(blob_id), db=self._db["pending"])
+            return settled
+        return self._change(change)
+
+    def swap_boot(self, boot: bytes) -> bytes | None:
+        """Record the boot this mount runs in; returns the one recorded before."""
+        def change(txn: lmdb.Transaction) -> bytes | None:
+            before = txn.get(b"boot", db=self._db["settings"])
+            txn.put(b"boot", boot, db=self._db["settings"])
+            return None if before is None else bytes(before)
+        return self._change(change)
 
     def is_committed_blob(self, blob_id: int) -> bool:
         with self.env.begin() as txn:
@@ -795,6 +834,8 @@ class MetaStore:
             size = allocated = 0
             if blob is not None:
                 txn.put(u64(blob.blob_id), blob.pack(), db=self._db["blob"])
+                if blob.pending:
+                    txn.put(u64(blob.blob_id), b"", db=self._db["pending"])
                 self._add_counter(txn, "used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
             updated = replace(inode, size=size, allocated=allocated,

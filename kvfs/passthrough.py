@@ -26,13 +26,14 @@ import fcntl
 import logging
 import os
 import struct
+from collections import deque
 from pathlib import Path
 
 import pyfuse3
 import trio
 
-from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, DataStore
-from kvfs.meta import BlobInfo
+from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, ChecksumError, DataStore, block_sums
+from kvfs.meta import BlobInfo, MetaStore
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class Verifier:
 
     def save(self, path: Path) -> None:
         """Keep the marks for the next mount of this boot (written at unmount)."""
-        lines = [_boot_id()] + [f"{blob:x} {ino} {ctime}"
+        lines = [boot_id()] + [f"{blob:x} {ino} {ctime}"
                                 for blob, (ino, ctime) in self._verified.items()]
         temporary = path.with_suffix(".tmp")
         temporary.write_text("\n".join(lines) + "\n")
@@ -183,11 +184,85 @@ class Verifier:
             path.unlink()
         except (OSError, ValueError):
             return
-        if boot != _boot_id():
+        if boot != boot_id():
             return  # the page cache did not survive a reboot
         for line in lines:
             blob, ino, ctime = line.split()
             self._verified[int(blob, 16)] = (int(ino), int(ctime))
+
+
+class LateHasher:
+    """Block sums of blobs the kernel wrote (passthrough writes), taken after their commit
+    in the background so that the writer's close does not wait for them. An open of such a
+    blob takes them first (once, however many open it at once)."""
+
+    def __init__(self, data: DataStore, meta: MetaStore, verifier: Verifier,
+                 stats: Stats) -> None:
+        self.data = data
+        self.meta = meta
+        self.verifier = verifier
+        self.stats = stats
+        self._queue: deque[int] = deque()
+        self._wanted = trio.Event()
+        self._running: dict[int, trio.Event] = {}
+
+    def want(self, blob_id: int) -> None:
+        self._queue.append(blob_id)
+        self._wanted.set()
+
+    async def run(self) -> None:
+        """Background: settle wanted blobs in turn; a failure is logged and counted (an open
+        of that blob tries again and fails alone)."""
+        while True:
+            await self._wanted.wait()
+            self._wanted = trio.Event()
+            while self._queue:
+                blob_id = self._queue.popleft()
+                try:
+                    await self.settle(blob_id)
+                except Exception:
+                    self.stats.background_errors += 1
+                    log.exception("taking the block sums of blob %016x failed", blob_id)
+
+    def settle_remaining(self) -> None:
+        """At unmount: take the sums still to be taken (a reboot would drop those files)."""
+        for blob_id, _ in self.meta.pending():
+            try:
+                self._settle(blob_id)
+            except (OSError, ChecksumError) as error:
+                log.error("taking the block sums of blob %016x failed: %s", blob_id, error)
+
+    async def settle(self, blob_id: int) -> None:
+        """Return once the blob has its sums (or is gone); ChecksumError if its data file
+        does not have the size committed, OSError if it cannot be read."""
+        while (running := self._running.get(blob_id)) is not None:
+            await running.wait()
+        self._running[blob_id] = trio.Event()
+        try:
+            await trio.to_thread.run_sync(self._settle, blob_id)
+        finally:
+            self._running.pop(blob_id).set()
+
+    def _settle(self, blob_id: int) -> None:
+        info = self.meta.blob_info(blob_id)
+        if info is None or not info.pending:
+            return
+        try:
+            fd = self.data.open_blob(blob_id)
+        except FileNotFoundError:
+            return  # removed meanwhile
+        try:
+            size = os.fstat(fd).st_size
+            if size != info.size:
+                raise ChecksumError(f"blob {blob_id:016x}: data file has {size} bytes, "
+                                    f"expected {info.size}")
+            # One thread: the writers and readers keep the other cores.
+            sums = block_sums(fd, info.size, side_by_side=False)
+            if self.meta.settle(blob_id, sums) is not None:
+                self.verifier.written(blob_id, fd)  # what was just hashed is in memory
+                self.stats.hashed_after_close += 1
+        finally:
+            os.close(fd)
 
 
 def _file_mark(fd: int) -> tuple[int, int]:
@@ -196,5 +271,5 @@ def _file_mark(fd: int) -> tuple[int, int]:
     return status.st_ino, status.st_ctime_ns
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -20,6 +20,7 @@ class Stats:
     write_opens_daemon: int = 0  # writes served by kvfs
     verified_bytes: int = 0  # read to verify blobs before passing them through
     verifications_skipped: int = 0  # blobs verified before and still wholly in memory
+    hashed_after_close: int = 0  # kernel-written blobs whose sums were taken after the close
     handler_errors: int = 0  # unexpected exceptions answered with EIO
     volume_errors: int = 0  # errors of the volume underneath (EIO, ...) met by requests
     readahead_errors: int = 0  # readahead runs that failed (their readers retried)
