@@ -699,6 +699,9 @@ class Soak:
         if race.exists():
             shutil.rmtree(race)
         race.mkdir()
+        # Made before its writers start: they race to rewrite it (served by kvfs). A file's
+        # maker writes through the kernel, and others opening it then wait for its close.
+        (race / "same").touch()
         deadline = time.monotonic() + seconds
         group = f"race{number}"
         logs: dict[str, list[Path]] = {}

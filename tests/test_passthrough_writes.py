@@ -1,8 +1,9 @@
-"""Passthrough writes: a writer of a new or truncated file, alone on its inode, writes through
-the kernel straight into its staged blob; kvfs hashes it at close and commits as ever.
+"""Passthrough writes: the maker of a new file, alone on it, writes through the kernel straight
+into its staged blob; the close commits it, and its block sums are taken right after (in the
+background, or by the first open), or at the next mount if a crash came first.
 
 Each test checks the bytes through the mount, after a remount with the page cache dropped (so
-the checksums taken at close are verified against the volume), and the counters against a
+the checksums taken after close are verified against the volume), and the counters against a
 recount. Pools under 4 GiB keep daemon-served writes (accounted write by write); the fixture
 here has 8 GiB. Skipped where passthrough is not available (see test_passthrough.py).
 """
