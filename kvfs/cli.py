@@ -15,9 +15,10 @@ import humanfriendly
 from humanfriendly import format_size
 
 from kvfs import daemon, fsck, prewarm, statview
-from kvfs.daemon import DEFAULT_DATA_DIR, MountConfig, MountError
+from kvfs.daemon import MountConfig
 from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
+from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 
 
 class CliError(Exception):
@@ -95,7 +96,7 @@ def umount_command(args: argparse.Namespace) -> None:
     mount = find_mount(mountpoint)
     if mount is None or not mount.source.startswith("kvfs:"):
         raise CliError(f"{mountpoint} is not a kvfs mount")
-    lock = Path(mount.source.removeprefix("kvfs:")) / daemon.LOCK_NAME
+    lock = Volume(Path(mount.source.removeprefix("kvfs:"))).lock_path
     pid = int(lock.read_text().strip() or 0) if lock.exists() else 0
     result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
                             text=True)
@@ -182,7 +183,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (CliError, MountError, fsck.FsckError) as error:
+    except (CliError, VolumeError, fsck.FsckError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

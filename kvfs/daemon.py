@@ -1,10 +1,10 @@
-"""Mount lifecycle: checks, the volume lock, daemonizing, recovery, serving, clean shutdown."""
+"""Mount lifecycle: checks, daemonizing, serving, clean shutdown (the volume's lock and
+recovery are kvfs/volume.py's)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import logging.handlers
 import os
@@ -14,32 +14,25 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
 import pyfuse3
 import trio
 
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
-from kvfs.data import DataStore
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.handles import FileTable
-from kvfs.meta import DEFAULT_MAP_SIZE, MetaStore, Removed
+from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
-from kvfs.passthrough import Passthrough, boot_id
+from kvfs.passthrough import Passthrough
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 
 log = logging.getLogger("kvfs")
 
-DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "kvfs"
-LOCK_NAME = "kvfs.lock"
-LOG_NAME = "kvfs.log"
-VERIFIED_NAME = "verified-blobs"  # this boot's verification marks, kept across a remount
-
-
-class MountError(Exception):
+class MountError(VolumeError):
     """A reason not to mount, shown to the user as one line."""
 
 
@@ -80,67 +73,6 @@ def check_mountpoint(path: Path) -> None:
         raise MountError(f"mountpoint {path} is not empty")
 
 
-def lock_volume(data: Path) -> int:
-    """Take the volume's lock (held for the daemon's life); one daemon per data directory."""
-    try:
-        data.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise MountError(f"cannot create data directory {data}: {error.strerror}") from None
-    if not os.access(data, os.W_OK | os.X_OK):
-        raise MountError(f"data directory {data} is not writable")
-    fd = os.open(data / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode().strip() or "?"
-        os.close(fd)
-        raise MountError(f"data directory {data} is already served by kvfs daemon pid "
-                         f"{holder}") from None
-    return fd
-
-
-def record_pid(lock_fd: int) -> None:
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
-
-
-def open_metadata(config: MountConfig) -> MetaStore:
-    try:
-        return MetaStore(config.data / "meta", config.meta_map_size)
-    except (lmdb.Error, RuntimeError) as error:
-        raise MountError(f"metadata in {config.data / 'meta'} cannot be opened ({error}); "
-                         f"check it with: kvfs fsck --data {config.data}") from None
-
-
-def recover(meta: MetaStore, data: DataStore) -> list[int]:
-    """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed data,
-    except files the kernel wrote whose sums were still to be taken when the machine went
-    down: their bytes may not have reached the volume, so they are dropped (a miss, not a
-    wrong chunk). Returns the blobs whose sums are still to be taken (same boot)."""
-    published, discarded = data.recover(meta.is_committed_blob)
-    pending = meta.pending()
-    rebooted = meta.swap_boot(boot_id().encode()) != boot_id().encode()
-    if pending and rebooted:
-        meta.drop_files({ino for _, ino in pending})
-        log.warning("recovery: %d files written just before a reboot dropped (their "
-                    "checksums were not taken yet)", len(pending))
-    unlinks = finish_unlinks(meta, data)
-    if published or discarded or unlinks:
-        log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
-                 published, discarded, unlinks)
-    return [] if rebooted else [blob_id for blob_id, _ in pending]
-
-
-def finish_unlinks(meta: MetaStore, data: DataStore) -> int:
-    """Delete the data files of doomed blobs, then their records; returns how many."""
-    doomed = meta.doomed()
-    for blob_id in doomed:
-        data.remove(blob_id)
-    meta.reaped(doomed)
-    meta.flush_reaped()
-    return len(doomed)
-
-
 def setup_logging(config: MountConfig) -> None:
     level = logging.DEBUG if config.debug else logging.INFO
     if config.foreground:
@@ -148,7 +80,7 @@ def setup_logging(config: MountConfig) -> None:
     elif config.syslog:
         handler = logging.handlers.SysLogHandler(address="/dev/log")
     else:
-        handler = logging.FileHandler(config.log_file or config.data / LOG_NAME)
+        handler = logging.FileHandler(config.log_file or Volume(config.data).log_path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
@@ -158,9 +90,10 @@ class Daemon:
 
     def __init__(self, config: MountConfig) -> None:
         self.config = config
-        self.meta = open_metadata(config)
-        self.data = DataStore(config.data, fsync=config.fsync)
-        pending = recover(self.meta, self.data)
+        self.volume = Volume(config.data)
+        self.meta = self.volume.open_metadata(config.meta_map_size)
+        self.data = self.volume.open_data(config.fsync)
+        pending = self.volume.recover(self.meta, self.data)
         if config.capacity is not None:
             self.meta.set_capacity(config.capacity)
         elif not self.meta.capacity():
@@ -176,7 +109,7 @@ class Daemon:
                                self.passthrough,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
-        self.files.verifier.load(config.data / VERIFIED_NAME)
+        self.files.verifier.load(self.volume.verified_path)
         for blob_id in pending:
             self.files.hasher.want(blob_id)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
@@ -244,7 +177,7 @@ class Daemon:
         self.files.reap_remaining()
         self.meta.flush_reaped()
         try:
-            self.files.verifier.save(self.config.data / VERIFIED_NAME)
+            self.files.verifier.save(self.volume.verified_path)
         except OSError as error:
             log.warning("verification marks not kept: %s", error)
         self.meta.env.sync(True)
@@ -260,9 +193,9 @@ def run(config: MountConfig) -> None:
     except OSError as error:
         raise MountError(f"cannot resolve paths: {error.strerror}") from None
     check_mountpoint(config.mountpoint)
-    lock_fd = lock_volume(config.data)
+    lock_fd = Volume(config.data).lock()
     if config.foreground:
-        record_pid(lock_fd)
+        Volume.record_pid(lock_fd)
         setup_logging(config)
         _serve(config)
         return
@@ -279,12 +212,12 @@ def run(config: MountConfig) -> None:
         return
     os.close(read_end)
     os.setsid()
-    record_pid(lock_fd)
+    Volume.record_pid(lock_fd)
     code = 0
     try:
         setup_logging(config)
         _serve(config, ready_fd=write_end)
-    except MountError as error:
+    except VolumeError as error:
         os.write(write_end, str(error).encode())
         code = 1
     except BaseException as error:

@@ -13,9 +13,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from kvfs.daemon import MountError, finish_unlinks, lock_volume, recover
 from kvfs.data import DataStore
 from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore, recount
+from kvfs.volume import Volume, VolumeError, finish_unlinks
 
 
 class FsckError(Exception):
@@ -27,19 +27,20 @@ def run(data_dir: Path, repair: bool, console: Console | None = None) -> bool:
     # File names are data, not markup, and each report stays on one greppable line.
     console = console or Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
     data_dir = data_dir.resolve()
-    if not (data_dir / "meta" / "data.mdb").exists():
+    volume = Volume(data_dir)
+    if not volume.exists():
         raise FsckError(f"{data_dir} is not a kvfs volume (no meta/data.mdb)")
     try:
-        lock_fd = lock_volume(data_dir)
-    except MountError as error:
+        lock_fd = volume.lock()
+    except VolumeError as error:
         raise FsckError(f"{error}; unmount it first") from None
     try:
-        meta = MetaStore(data_dir / "meta")
+        meta = MetaStore(volume.meta_dir)
     except Exception as error:
         os.close(lock_fd)
-        raise FsckError(f"metadata in {data_dir / 'meta'} is unreadable: {error}") from None
+        raise FsckError(f"metadata in {volume.meta_dir} is unreadable: {error}") from None
     try:
-        checker = Checker(meta, DataStore(data_dir), console)
+        checker = Checker(meta, volume.open_data(), console)
         problems = checker.check(repair)
     finally:
         meta.close()
@@ -71,7 +72,7 @@ class Checker:
         if leftovers:
             self.report(f"{leftovers} staged or unlinked data files left by a crash")
             if repair:
-                recover(self.meta, self.data)
+                Volume.recover(self.meta, self.data)
         inodes = {inode.ino: inode for inode in self.meta.inodes()}
         self._check_entries(inodes, repair)
         blobs = {blob.blob_id: blob for blob in self.meta.blobs()}
