@@ -22,7 +22,7 @@ from collections import OrderedDict
 import trio
 
 from kvfs.data import BLOCK_SIZE, DataStore
-from kvfs.meta import BlobInfo
+from kvfs.records import BlobInfo
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,9 @@ import stat
 import time
 from collections.abc import Callable
 
-from kvfs.meta import ROOT_INO, Inode, MetaStore, fail
+from kvfs.meta import ROOT_INO, Inode, MetaStore
 from kvfs.passthrough import Passthrough
+from kvfs.records import fail
 from kvfs.space import Space
 from kvfs.stats import Stats
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvfs.meta import BlobInfo, fail
+from kvfs.records import BlobInfo, fail
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG

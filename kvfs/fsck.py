@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kvfs.data import DataStore
-from kvfs.meta import ROOT_INO, BlobInfo, Inode, MetaStore, recount
+from kvfs.meta import ROOT_INO, Inode, MetaStore, recount
+from kvfs.records import BlobInfo
 from kvfs.volume import Volume, VolumeError, finish_unlinks
 
 

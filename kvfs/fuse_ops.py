@@ -26,8 +26,9 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import Caller, FileTable
-from kvfs.meta import NAME_MAX, FsError, Inode, MetaStore, Removed
+from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
 from kvfs.passthrough import Passthrough
+from kvfs.records import FsError
 from kvfs.space import Space
 from kvfs.stats import Stats
 

@@ -55,8 +55,9 @@ from kvfs.data import (
     check_file_size,
     writable_length,
 )
-from kvfs.meta import BlobInfo, FsError, Inode, MetaStore, Removed, fail
+from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.passthrough import LateHasher, Passthrough, Verifier
+from kvfs.records import BlobInfo, FsError, fail
 from kvfs.space import Space
 from kvfs.stats import Stats
 

@@ -51,7 +51,6 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -63,6 +62,7 @@ from typing import TypeVar
 import lmdb
 
 from kvfs.models import model_of
+from kvfs.records import BLOB_RECORD, BlobInfo, FsError, fail
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,6 @@ T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
-_BLOB = struct.Struct("<QQQII")
-SUMS_COMPRESSED = 1  # blob record flag: the sums are zlib-compressed (large sparse files)
-SUMS_PENDING = 2  # blob record flag: written by the kernel, block sums not taken yet
-SUMS_COMPRESS_FROM = 64 << 10
 _MODEL = struct.Struct("<qq")
 
 RENAME_NOREPLACE = 1
@@ -103,15 +99,6 @@ def u64(value: int) -> bytes:
 
 def from_u64(raw: bytes) -> int:
     return _U64.unpack(raw[:8])[0]
-
-
-class FsError(OSError):
-    """A refusal kvfs answers on purpose (ENOENT, EEXIST, ...), as opposed to an error of the
-    volume underneath: the FUSE layer logs and counts only the latter."""
-
-
-def fail(code: int) -> FsError:
-    return FsError(code, errno.errorcode.get(code, str(code)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,33 +152,6 @@ class Removed:
     @property
     def gone(self) -> bool:
         return self.inode.nlink == 0
-
-
-@dataclass(frozen=True, slots=True)
-class BlobInfo:
-    """What is known about one immutable data file: its owner, sizes and block checksums."""
-
-    blob_id: int
-    ino: int
-    size: int
-    allocated: int
-    block_size: int
-    sums: array  # xxh3-64 of each block (empty while pending)
-    pending: bool = False  # the sums are taken after the commit (kernel-written blobs)
-
-    def pack(self) -> bytes:
-        sums, flags = self.sums.tobytes(), SUMS_PENDING if self.pending else 0
-        if len(sums) >= SUMS_COMPRESS_FROM:  # mostly holes: one repeated sum
-            sums, flags = zlib.compress(sums, 1), flags | SUMS_COMPRESSED
-        return _BLOB.pack(self.ino, self.size, self.allocated, self.block_size, flags) + sums
-
-    @classmethod
-    def unpack(cls, blob_id: int, raw: bytes) -> BlobInfo:
-        ino, size, allocated, block_size, flags = _BLOB.unpack_from(raw)
-        packed = bytes(raw[_BLOB.size:])
-        sums = array("Q")
-        sums.frombytes(zlib.decompress(packed) if flags & SUMS_COMPRESSED else packed)
-        return cls(blob_id, ino, size, allocated, block_size, sums, bool(flags & SUMS_PENDING))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +221,7 @@ class MetaStore:
         for key, raw in list(txn.cursor(db=self._db["blob"])):
             ino, size, block_size = old_blob.unpack_from(raw)
             allocated[ino] = -(-size // 4096) * 4096
-            txn.put(key, _BLOB.pack(ino, size, allocated[ino], block_size, 0)
+            txn.put(key, BLOB_RECORD.pack(ino, size, allocated[ino], block_size, 0)
                     + raw[old_blob.size:], db=self._db["blob"])
         for key, raw in list(txn.cursor(db=self._db["inode"])):
             mode, nlink, uid, gid, size, *times, parent, blob, version = \

@@ -33,7 +33,8 @@ import pyfuse3
 import trio
 
 from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, ChecksumError, DataStore, block_sums
-from kvfs.meta import BlobInfo, MetaStore
+from kvfs.meta import MetaStore
+from kvfs.records import BlobInfo
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import trio
 
-from kvfs.meta import ROOT_INO, FsError, Inode, MetaStore, Removed, fail
+from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed
+from kvfs.records import FsError, fail
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import pytest
 from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, stats, wait_for
 from test_passthrough import errno_of
 
-from kvfs.meta import SUMS_PENDING
+from kvfs.records import SUMS_PENDING
 
 MiB = 1 << 20
 
