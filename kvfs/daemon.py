@@ -175,12 +175,11 @@ class Daemon:
         self.meta.touch(self.space.take_uses())
         self.files.hasher.settle_remaining()
         self.files.reap_remaining()
-        self.meta.flush_reaped()
         try:
             self.files.verifier.save(self.volume.verified_path)
         except OSError as error:
             log.warning("verification marks not kept: %s", error)
-        self.meta.env.sync(True)
+        self.meta.engine.sync()
         self.meta.close()
         log.info("unmounted %s", self.config.mountpoint)
 

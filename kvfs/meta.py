@@ -1,9 +1,10 @@
-"""The metadata store: namespace, attributes, xattrs and blob records in one LMDB environment.
+"""The metadata store: namespace, attributes, xattrs and blob records, over a metadata engine.
 
-This module is the only one that touches LMDB. Everything lives in `DATA/meta/` (data.mdb,
-lock.mdb). All integers in keys are 8-byte big-endian so that LMDB's byte order is numeric order.
+The namespace logic is written once here, over the transactions of an engine
+(kvfs/engine.py): ordered families of byte keys. The embedded engine is LMDB in `DATA/meta/`.
+All integers in keys are 8-byte big-endian so that byte order is numeric order.
 
-Key schema (one named database per family):
+Key schema (one family each):
 
     inode    ino                      -> Inode record (struct _INODE, then its primary name)
     dentry   parent ino + name        -> child ino + cookie     (lookup by name)
@@ -32,11 +33,10 @@ occupy on the volume (holes take none), each blob once however many names its in
 A file's atime is its last use (lookup, open, read; flushed in batches), and `recency` indexes
 files by it so that eviction walks them oldest first without a scan.
 
-Every change runs in the group committer's thread (`_GroupCommitter`): changes that queue
-while a commit syncs share the next transaction, each in a nested transaction of its own, and
-one sync; a caller returns once its change is durable. Inode numbers and cookies come from a
-stock the committer takes from `next_ino` in batches (ID_BATCH), so that the counter is
-written once per batch, not by every create; ids of a batch lost in a crash are never reused.
+Every change is one transaction of the engine (group-committed: kvfs/engine.py); a caller
+returns once its change is durable. Inode numbers and cookies come from a stock taken from
+`next_ino` in committed batches (ID_BATCH), so that the counter is written once per batch,
+not by every create, and no id is ever given twice.
 
 Errors are raised as `FsError` (an OSError) with a precise errno; the FUSE layer passes them
 through.
@@ -45,7 +45,6 @@ through.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import stat
 import struct
@@ -53,18 +52,13 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from queue import SimpleQueue
 from typing import TypeVar
 
-import lmdb
-
+from kvfs.engine import Engine, LmdbEngine, Txn
 from kvfs.models import model_of
 from kvfs.records import BLOB_RECORD, BlobInfo, FsError, fail
-
-log = logging.getLogger(__name__)
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -74,13 +68,9 @@ PIN_XATTR = b"user.kvfs.pin"
 FORMAT = b"kvfs-2"
 OLD_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
-MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
-MAP_HEADROOM_MIN = 1 << 20
 LINK_MAX = 65000  # as ext4
 
-ID_BATCH = 1024  # inode numbers and cookies the committer takes at once
-IDS_PER_CHANGE = 4  # the most one change takes (an exchange: two cookies)
-GROUP_MAX = 256  # changes committed together at most
+ID_BATCH = 1024  # inode numbers and cookies taken from `next_ino` at once
 T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
@@ -173,57 +163,49 @@ class MetaStore:
 
     def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE,
                  readonly: bool = False) -> None:
+        self.engine: Engine = LmdbEngine(path, FAMILIES, map_size, readonly)
+        self._ids: range = range(0)  # inode numbers and cookies in stock
+        self._ids_lock = threading.Lock()
         if not readonly:
-            path.mkdir(parents=True, exist_ok=True)
-        # metasync=False: a power loss may undo the last commits but never breaks the database.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=16, metasync=False,
-                             readahead=False, readonly=readonly, lock=True)
-        self._db = {family: self.env.open_db(family.encode(), create=not readonly)
-                    for family in FAMILIES}
-        # Doomed blobs whose files are deleted: their records go with the next commit. Threads
-        # add to it and commit concurrently, so it is a set under a lock.
-        self._reaped: set[int] = set()
-        self._reaped_lock = threading.Lock()
-        self._ids: range = range(0)
-        self._committer: _GroupCommitter | None = None
-        if readonly:
-            return
-        with self.env.begin(write=True) as txn:
-            stored = txn.get(b"format", db=self._db["settings"])
-            if stored is None:
-                self._format(txn)
-            elif stored == OLD_FORMAT:
-                self._migrate_from_v1(txn)
-            elif stored != FORMAT:
-                raise RuntimeError(f"unsupported metadata format {stored!r} in {path}")
-        self._committer = _GroupCommitter(self)
+            try:
+                self._change(self._open_format)
+            except BaseException:
+                self.engine.close()
+                raise
+
+    def _open_format(self, txn: Txn) -> None:
+        stored = txn.get("settings", b"format")
+        if stored is None:
+            self._format(txn)
+        elif stored == OLD_FORMAT:
+            self._migrate_from_v1(txn)
+        elif stored != FORMAT:
+            raise RuntimeError(f"unsupported metadata format {stored!r}")
 
     def close(self) -> None:
-        if self._committer is not None:
-            self._committer.stop()
-        self.env.close()
+        self.engine.close()
 
-    def _format(self, txn: lmdb.Transaction) -> None:
+    def _format(self, txn: Txn) -> None:
         now = time.time_ns()
         # The root belongs to whoever formats the volume: root, or the user who mounts it.
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, 0, now,
                      now, now, ROOT_INO, 0, 0, b"")
-        txn.put(u64(ROOT_INO), root.pack(), db=self._db["inode"])
-        txn.put(b"format", FORMAT, db=self._db["settings"])
+        txn.put("inode", u64(ROOT_INO), root.pack())
+        txn.put("settings", b"format", FORMAT)
         self._set_counter(txn, "next_ino", ROOT_INO + 1)
         self._set_counter(txn, "next_blob", 1)
 
-    def _migrate_from_v1(self, txn: lmdb.Transaction) -> None:
+    def _migrate_from_v1(self, txn: Txn) -> None:
         """kvfs-1 records: no rdev, allocation or cookies; one name per inode. A file's
         allocation is taken as its size in whole 4 KiB blocks."""
         old_inode, old_blob = struct.Struct("<IIIIQqqqQQQ"), struct.Struct("<QQI")
         allocated: dict[int, int] = {}
-        for key, raw in list(txn.cursor(db=self._db["blob"])):
+        for key, raw in list(txn.scan("blob")):
             ino, size, block_size = old_blob.unpack_from(raw)
             allocated[ino] = -(-size // 4096) * 4096
-            txn.put(key, BLOB_RECORD.pack(ino, size, allocated[ino], block_size, 0)
-                    + raw[old_blob.size:], db=self._db["blob"])
-        for key, raw in list(txn.cursor(db=self._db["inode"])):
+            txn.put("blob", key, BLOB_RECORD.pack(ino, size, allocated[ino], block_size, 0)
+                    + raw[old_blob.size:])
+        for key, raw in list(txn.scan("inode")):
             mode, nlink, uid, gid, size, *times, parent, blob, version = \
                 old_inode.unpack_from(raw)
             ino = from_u64(key)
@@ -231,137 +213,117 @@ class MetaStore:
                           parent, blob, version, bytes(raw[old_inode.size:]))
             self._put(txn, inode)
         self._set_counter(txn, "used_bytes", sum(allocated.values()))
-        for model in list(txn.cursor(db=self._db["models"]).iternext(values=False)):
-            txn.delete(model, db=self._db["models"])
-        for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.cursor(db=self._db["inode"])]:
+        txn.clear("models")
+        for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.scan("inode")]:
             self._count_model(txn, inode, inode.name, 1, inode.allocated)
-        for key, child in list(txn.cursor(db=self._db["dentry"])):
-            txn.put(key, child + child, db=self._db["dentry"])  # the cookie is the child ino
-            txn.put(child + key, b"", db=self._db["links"])
-        for key, name in list(txn.cursor(db=self._db["dirlist"])):
-            txn.put(key, key[8:] + name, db=self._db["dirlist"])
-        txn.put(b"format", FORMAT, db=self._db["settings"])
+        for key, child in list(txn.scan("dentry")):
+            txn.put("dentry", key, child + child)  # the cookie is the child ino
+            txn.put("links", child + key, b"")
+        for key, name in list(txn.scan("dirlist")):
+            txn.put("dirlist", key, key[8:] + name)
+        txn.put("settings", b"format", FORMAT)
 
     # -- small helpers -------------------------------------------------------------------
 
-    def _begin_write(self) -> tuple[lmdb.Transaction, set[int]]:
-        """A write transaction that also deletes the records of reaped blobs; returns them,
-        to be forgotten once it commits."""
-        txn = self.env.begin(write=True)
-        with self._reaped_lock:
-            taken = set(self._reaped)
-        for blob_id in taken:
-            txn.delete(u64(blob_id), db=self._db["doomed"])
-        return txn, taken
+    def _change(self, change: Callable[[Txn], T]) -> T:
+        """Run `change` in one transaction of the engine; returns once it is durable."""
+        return self.engine.change(change)
 
-    def _forget_reaped(self, taken: set[int]) -> None:
-        with self._reaped_lock:
-            self._reaped -= taken
+    def _fresh_ids(self, count: int) -> Iterator[int]:
+        """Inode numbers or cookies for one change, taken (in the caller's thread, before the
+        change) from a stock that is itself taken from `next_ino` in committed batches:
+        ids are never reused, whatever happens to the changes that got them."""
+        with self._ids_lock:
+            if len(self._ids) < count:
+                end = self._change(lambda txn: self._add_counter(txn, "next_ino", ID_BATCH))
+                self._ids = range(end - ID_BATCH, end)
+            taken, self._ids = self._ids[:count], self._ids[count:]
+        return iter(taken)
 
-    def _change(self, change: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `change` in a write transaction of the group committer; returns once it is
-        committed and synced (FsError, ENOSPC for a full map, as it raised)."""
-        assert self._committer is not None, "a read-only store changes nothing"
-        return self._committer.run(change)
-
-    def _take_id(self) -> int:
-        """A fresh inode number or dirlist cookie (committer thread only: the committer keeps
-        ids in stock, taken from `next_ino` in batches)."""
-        ino, self._ids = self._ids[0], self._ids[1:]
-        return ino
-
-    def _stock_ids(self, txn: lmdb.Transaction, wanted: int) -> None:
-        if len(self._ids) < wanted:
-            end = self._add_counter(txn, "next_ino", ID_BATCH + wanted)
-            self._ids = range(end - ID_BATCH - wanted, end)
-
-    def _counter(self, txn: lmdb.Transaction, name: str) -> int:
-        raw = txn.get(name.encode(), db=self._db["counters"])
+    def _counter(self, txn: Txn, name: str) -> int:
+        raw = txn.get("counters", name.encode())
         return from_u64(raw) if raw else 0
 
-    def _set_counter(self, txn: lmdb.Transaction, name: str, value: int) -> None:
-        txn.put(name.encode(), u64(value), db=self._db["counters"])
+    def _set_counter(self, txn: Txn, name: str, value: int) -> None:
+        txn.put("counters", name.encode(), u64(value))
 
-    def _add_counter(self, txn: lmdb.Transaction, name: str, delta: int) -> int:
+    def _add_counter(self, txn: Txn, name: str, delta: int) -> int:
         value = self._counter(txn, name) + delta
         self._set_counter(txn, name, value)
         return value
 
-    def _get(self, txn: lmdb.Transaction, ino: int) -> Inode:
-        raw = txn.get(u64(ino), db=self._db["inode"])
+    def _get(self, txn: Txn, ino: int) -> Inode:
+        raw = txn.get("inode", u64(ino))
         if raw is None:
             raise fail(errno.ENOENT)
         return Inode.unpack(ino, raw)
 
-    def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
-        txn.put(u64(inode.ino), inode.pack(), db=self._db["inode"])
+    def _put(self, txn: Txn, inode: Inode) -> None:
+        txn.put("inode", u64(inode.ino), inode.pack())
 
-    def _index_use(self, txn: lmdb.Transaction, inode: Inode, old_atime: int | None,
+    def _index_use(self, txn: Txn, inode: Inode, old_atime: int | None,
                    new_atime: int | None) -> None:
         """Keep a file's place in the recency index in step with its atime."""
         if inode.is_dir:
             return
         if old_atime is not None:
-            txn.delete(u64(old_atime) + u64(inode.ino), db=self._db["recency"])
+            txn.delete("recency", u64(old_atime) + u64(inode.ino))
         if new_atime is not None:
-            txn.put(u64(new_atime) + u64(inode.ino), b"", db=self._db["recency"])
+            txn.put("recency", u64(new_atime) + u64(inode.ino), b"")
 
-    def _count_model(self, txn: lmdb.Transaction, inode: Inode, name: bytes, files: int,
+    def _count_model(self, txn: Txn, inode: Inode, name: bytes, files: int,
                      allocated: int) -> None:
         """Per-model usage: a file counts for the model its primary name says (if any)."""
         model = None if inode.is_dir else model_of(name)
         if model is None or not (files or allocated):
             return
         key = model.encode()
-        raw = txn.get(key, db=self._db["models"])
+        raw = txn.get("models", key)
         old_files, old_bytes = _MODEL.unpack(raw) if raw else (0, 0)
         if old_files + files <= 0:
-            txn.delete(key, db=self._db["models"])
+            txn.delete("models", key)
         else:
-            txn.put(key, _MODEL.pack(old_files + files, old_bytes + allocated),
-                    db=self._db["models"])
+            txn.put("models", key, _MODEL.pack(old_files + files, old_bytes + allocated))
 
-    def _dir(self, txn: lmdb.Transaction, ino: int) -> Inode:
+    def _dir(self, txn: Txn, ino: int) -> Inode:
         inode = self._get(txn, ino)
         if not inode.is_dir:
             raise fail(errno.ENOTDIR)
         return inode
 
-    def _child(self, txn: lmdb.Transaction, parent: int, name: bytes) -> Inode | None:
-        raw = txn.get(u64(parent) + name, db=self._db["dentry"])
+    def _child(self, txn: Txn, parent: int, name: bytes) -> Inode | None:
+        raw = txn.get("dentry", u64(parent) + name)
         return None if raw is None else self._get(txn, from_u64(raw))
 
-    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
-        cookie = u64(self._take_id())
-        txn.put(u64(parent) + name, u64(ino) + cookie, db=self._db["dentry"])
-        txn.put(u64(parent) + cookie, u64(ino) + name, db=self._db["dirlist"])
-        txn.put(u64(ino) + u64(parent) + name, b"", db=self._db["links"])
+    def _link(self, txn: Txn, parent: int, name: bytes, ino: int, cookie_id: int) -> None:
+        cookie = u64(cookie_id)
+        txn.put("dentry", u64(parent) + name, u64(ino) + cookie)
+        txn.put("dirlist", u64(parent) + cookie, u64(ino) + name)
+        txn.put("links", u64(ino) + u64(parent) + name, b"")
 
-    def _unlink(self, txn: lmdb.Transaction, parent: int, name: bytes, ino: int) -> None:
-        raw = txn.pop(u64(parent) + name, db=self._db["dentry"])
+    def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
+        raw = txn.pop("dentry", u64(parent) + name)
         if raw is not None:
-            txn.delete(u64(parent) + raw[8:16], db=self._db["dirlist"])
-        txn.delete(u64(ino) + u64(parent) + name, db=self._db["links"])
+            txn.delete("dirlist", u64(parent) + raw[8:16])
+        txn.delete("links", u64(ino) + u64(parent) + name)
 
-    def _suffixes(self, txn: lmdb.Transaction, family: str, prefix: bytes) -> list[bytes]:
+    def _suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
         """The rest of every key of `family` that starts with `prefix`."""
-        cursor = txn.cursor(db=self._db[family])
         found = []
-        if cursor.set_range(prefix):
-            for key in cursor.iternext(values=False):
-                if key[: len(prefix)] != prefix:
-                    break
-                found.append(bytes(key[len(prefix):]))
+        for key, _ in txn.scan(family, prefix):
+            if key[: len(prefix)] != prefix:
+                break
+            found.append(bytes(key[len(prefix):]))
         return found
 
-    def _names(self, txn: lmdb.Transaction, ino: int) -> list[tuple[int, bytes]]:
+    def _names(self, txn: Txn, ino: int) -> list[tuple[int, bytes]]:
         return [(from_u64(rest), rest[8:]) for rest in self._suffixes(txn, "links", u64(ino))]
 
-    def _has_children(self, txn: lmdb.Transaction, ino: int) -> bool:
-        cursor = txn.cursor(db=self._db["dirlist"])
-        return cursor.set_range(u64(ino)) and cursor.key()[:8] == u64(ino)
+    def _has_children(self, txn: Txn, ino: int) -> bool:
+        first = next(txn.scan("dirlist", u64(ino)), None)
+        return first is not None and first[0][:8] == u64(ino)
 
-    def _drop_name(self, txn: lmdb.Transaction, inode: Inode, parent: int, name: bytes,
+    def _drop_name(self, txn: Txn, inode: Inode, parent: int, name: bytes,
                    now: int) -> Inode:
         """Remove one name of a non-directory; the inode goes with its last name."""
         self._unlink(txn, parent, name, inode.ino)
@@ -377,59 +339,57 @@ class MetaStore:
         self._put(txn, updated)
         return updated
 
-    def _drop_inode(self, txn: lmdb.Transaction, inode: Inode) -> None:
+    def _drop_inode(self, txn: Txn, inode: Inode) -> None:
         """Remove an unlinked inode's record, its xattrs, and doom its blob."""
         key = u64(inode.ino)
         for family in ("inode", "pins", "symlink"):
-            txn.delete(key, db=self._db[family])
+            txn.delete(family, key)
         self._index_use(txn, inode, inode.atime_ns, None)
-        cursor = txn.cursor(db=self._db["xattr"])
-        if cursor.set_range(key):
-            while cursor.key()[:8] == key and cursor.delete():
-                pass
+        for name in self._suffixes(txn, "xattr", key):
+            txn.delete("xattr", key + name)
         if not inode.is_dir:
             self._add_counter(txn, "files", -1)
         self._count_model(txn, inode, inode.name, -1, -inode.allocated)
         self._release_blob(txn, inode.blob)
 
-    def _release_blob(self, txn: lmdb.Transaction, blob_id: int) -> None:
+    def _release_blob(self, txn: Txn, blob_id: int) -> None:
         if not blob_id:
             return
-        raw = txn.pop(u64(blob_id), db=self._db["blob"])
+        raw = txn.pop("blob", u64(blob_id))
         if raw is not None:
             self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
-        txn.delete(u64(blob_id), db=self._db["pending"])
-        txn.put(u64(blob_id), b"", db=self._db["doomed"])
+        txn.delete("pending", u64(blob_id))
+        txn.put("doomed", u64(blob_id), b"")
 
     # -- reads ---------------------------------------------------------------------------
 
     def get(self, ino: int) -> Inode:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return self._get(txn, ino)
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         if len(name) > NAME_MAX:
             raise fail(errno.ENAMETOOLONG)
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return self._child(txn, parent, name)
 
     def names(self, ino: int) -> list[tuple[int, bytes]]:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return self._names(txn, ino)
 
     def readlink(self, ino: int) -> bytes:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             self._get(txn, ino)
-            target = txn.get(u64(ino), db=self._db["symlink"])
+            target = txn.get("symlink", u64(ino))
         if target is None:
             raise fail(errno.EINVAL)
         return bytes(target)
 
     def content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
         """An inode and the record of its blob, from one snapshot."""
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             inode = self._get(txn, ino)
-            raw = txn.get(u64(inode.blob), db=self._db["blob"]) if inode.blob else None
+            raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
         if inode.blob and raw is None:
             raise fail(errno.EIO)
         return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
@@ -437,122 +397,111 @@ class MetaStore:
     def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
         prefix = u64(parent)
-        with self.env.begin() as txn:
-            cursor = txn.cursor(db=self._db["dirlist"])
-            if not cursor.set_range(prefix + u64(after + 1)):
-                return
-            for key, value in cursor:
+        with self.engine.snapshot() as txn:
+            for key, value in txn.scan("dirlist", prefix + u64(after + 1)):
                 if key[:8] != prefix:
                     return
-                child = txn.get(value[:8], db=self._db["inode"])
+                child = txn.get("inode", value[:8])
                 if child is not None:
                     yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
                            from_u64(key[8:]))
 
     def usage(self) -> Usage:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return Usage(self._capacity(txn), self._counter(txn, "used_bytes"),
                          self._counter(txn, "files"))
 
-    def _capacity(self, txn: lmdb.Transaction) -> int:
-        raw = txn.get(b"capacity", db=self._db["settings"])
+    def _capacity(self, txn: Txn) -> int:
+        raw = txn.get("settings", b"capacity")
         return from_u64(raw) if raw else 0
 
     def capacity(self) -> int:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return self._capacity(txn)
 
     def set_capacity(self, capacity: int) -> None:
-        def change(txn: lmdb.Transaction) -> None:
-            txn.put(b"capacity", u64(capacity), db=self._db["settings"])
+        def change(txn: Txn) -> None:
+            txn.put("settings", b"capacity", u64(capacity))
         self._change(change)
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             self._get(txn, ino)
-            value = txn.get(u64(ino) + name, db=self._db["xattr"])
+            value = txn.get("xattr", u64(ino) + name)
         if value is None:
             raise fail(errno.ENODATA)
         return bytes(value)
 
     def listxattr(self, ino: int) -> list[bytes]:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             self._get(txn, ino)
             return self._suffixes(txn, "xattr", u64(ino))
 
     def inodes(self) -> Iterator[Inode]:
-        with self.env.begin() as txn:
-            for key, raw in txn.cursor(db=self._db["inode"]):
+        with self.engine.snapshot() as txn:
+            for key, raw in txn.scan("inode"):
                 yield Inode.unpack(from_u64(key), raw)
 
     def blobs(self) -> Iterator[BlobInfo]:
-        with self.env.begin() as txn:
-            for key, raw in txn.cursor(db=self._db["blob"]):
+        with self.engine.snapshot() as txn:
+            for key, raw in txn.scan("blob"):
                 yield BlobInfo.unpack(from_u64(key), raw)
 
     def doomed(self) -> list[int]:
-        with self.env.begin() as txn:
-            return [from_u64(k) for k in txn.cursor(db=self._db["doomed"]).iternext(values=False)]
+        with self.engine.snapshot() as txn:
+            return [from_u64(key) for key, _ in txn.scan("doomed")]
 
     def entries(self) -> Iterator[tuple[int, bytes, int]]:
         """Every (parent, name, child) directory entry."""
-        with self.env.begin() as txn:
-            for key, child in txn.cursor(db=self._db["dentry"]):
+        with self.engine.snapshot() as txn:
+            for key, child in txn.scan("dentry"):
                 yield from_u64(key[:8]), bytes(key[8:]), from_u64(child)
 
     def blob_info(self, blob_id: int) -> BlobInfo | None:
-        with self.env.begin() as txn:
-            raw = txn.get(u64(blob_id), db=self._db["blob"])
+        with self.engine.snapshot() as txn:
+            raw = txn.get("blob", u64(blob_id))
             return None if raw is None else BlobInfo.unpack(blob_id, raw)
 
     def pending(self) -> list[tuple[int, int]]:
         """(blob id, owner ino) of blobs whose sums are still to be taken."""
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             found = []
-            for key in txn.cursor(db=self._db["pending"]).iternext(values=False):
-                raw = txn.get(key, db=self._db["blob"])
+            for key, _ in txn.scan("pending"):
+                raw = txn.get("blob", key)
                 if raw is not None:
                     found.append((from_u64(key), BlobInfo.unpack(from_u64(key), raw).ino))
             return found
 
     def settle(self, blob_id: int, sums: array) -> BlobInfo | None:
         """Record the block sums of a pending blob; None if it is gone (replaced, removed)."""
-        def change(txn: lmdb.Transaction) -> BlobInfo | None:
-            raw = txn.get(u64(blob_id), db=self._db["blob"])
+        def change(txn: Txn) -> BlobInfo | None:
+            raw = txn.get("blob", u64(blob_id))
             if raw is None:
                 return None
             settled = replace(BlobInfo.unpack(blob_id, raw), sums=sums, pending=False)
-            txn.put(u64(blob_id), settled.pack(), db=self._db["blob"])
-            txn.delete(u64(blob_id), db=self._db["pending"])
+            txn.put("blob", u64(blob_id), settled.pack())
+            txn.delete("pending", u64(blob_id))
             return settled
         return self._change(change)
 
     def swap_boot(self, boot: bytes) -> bytes | None:
         """Record the boot this mount runs in; returns the one recorded before."""
-        def change(txn: lmdb.Transaction) -> bytes | None:
-            before = txn.get(b"boot", db=self._db["settings"])
-            txn.put(b"boot", boot, db=self._db["settings"])
+        def change(txn: Txn) -> bytes | None:
+            before = txn.get("settings", b"boot")
+            txn.put("settings", b"boot", boot)
             return None if before is None else bytes(before)
         return self._change(change)
 
     def is_committed_blob(self, blob_id: int) -> bool:
-        with self.env.begin() as txn:
-            return txn.get(u64(blob_id), db=self._db["blob"]) is not None
+        with self.engine.snapshot() as txn:
+            return txn.get("blob", u64(blob_id)) is not None
 
     # -- namespace changes ---------------------------------------------------------------
 
     def _check_room(self) -> None:
-        """Refuse growth of the namespace near a full map, so that removing files (which
-        needs fresh pages too: LMDB copies on write) always remains possible."""
-        info, page = self.env.info(), self.env.stat()["psize"]
-        limit = info["map_size"] - max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
-        if (info["last_pgno"] + 1) * page <= limit:
-            return
-        with self.env.begin() as txn:
-            dbs = [None, *self._db.values()]
-            used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
-                       for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
-        if used * page > limit:
+        """Refuse growth of the namespace near a full engine, so that removing files always
+        remains possible."""
+        if not self.engine.has_room():
             raise fail(errno.ENOSPC)
 
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
@@ -567,11 +516,13 @@ class MetaStore:
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> Inode:
+        ids = self._fresh_ids(2)  # the inode number and the entry's cookie
+
+        def change(txn: Txn) -> Inode:
             parent_inode = self._dir(txn, parent)
             if self._child(txn, parent, name) is not None:
                 raise fail(errno.EEXIST)
-            ino = self._take_id()
+            ino = next(ids)
             is_dir = stat.S_ISDIR(mode)
             owner_gid, full_mode = gid, mode
             if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
@@ -582,10 +533,10 @@ class MetaStore:
                           now, now, parent, 0, 0, name)
             self._put(txn, inode)
             if target:
-                txn.put(u64(ino), target, db=self._db["symlink"])
+                txn.put("symlink", u64(ino), target)
             self._index_use(txn, inode, None, now)
             self._count_model(txn, inode, name, 1, 0)
-            self._link(txn, parent, name, ino)
+            self._link(txn, parent, name, ino, next(ids))
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
                                    mtime_ns=now, ctime_ns=now))
             if not is_dir:
@@ -598,7 +549,9 @@ class MetaStore:
         check_name(new_name)
         self._check_room()
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> Inode:
+        cookies = self._fresh_ids(1)
+
+        def change(txn: Txn) -> Inode:
             inode = self._get(txn, ino)
             if inode.is_dir:
                 raise fail(errno.EPERM)
@@ -607,7 +560,7 @@ class MetaStore:
             parent_inode = self._dir(txn, new_parent)
             if self._child(txn, new_parent, new_name) is not None:
                 raise fail(errno.EEXIST)
-            self._link(txn, new_parent, new_name, ino)
+            self._link(txn, new_parent, new_name, ino, next(cookies))
             inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
             self._put(txn, inode)
             self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
@@ -618,7 +571,7 @@ class MetaStore:
         """unlink (is_dir False) or rmdir (True) of one name."""
         check_name(name)
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> Removed:
+        def change(txn: Txn) -> Removed:
             parent_inode = self._dir(txn, parent)
             inode = self._child(txn, parent, name)
             if inode is None:
@@ -650,7 +603,9 @@ class MetaStore:
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> tuple[Inode, Removed | None]:
+        cookies = self._fresh_ids(2)  # new entries: one, or two for an exchange
+
+        def change(txn: Txn) -> tuple[Inode, Removed | None]:
             self._dir(txn, old_parent)
             self._dir(txn, new_parent)
             moved = self._child(txn, old_parent, old_name)
@@ -665,7 +620,7 @@ class MetaStore:
                 if target.is_dir and self._is_ancestor(txn, target.ino, old_parent):
                     raise fail(errno.EINVAL)
                 self._exchange(txn, (old_parent, old_name, moved),
-                               (new_parent, new_name, target), now)
+                               (new_parent, new_name, target), now, cookies)
                 return self._get(txn, moved.ino), None
             replaced = None
             if target is not None:
@@ -684,20 +639,20 @@ class MetaStore:
                                        [(new_parent, new_name)])
                 moved = self._get(txn, moved.ino)  # unchanged unless it was the target
             moved = self._move_name(txn, moved, (old_parent, old_name),
-                                    (new_parent, new_name), now)
+                                    (new_parent, new_name), now, next(cookies))
             self._adjust_parent(txn, old_parent, -moved.is_dir, now)
             self._adjust_parent(txn, new_parent, moved.is_dir, now)
             return moved, replaced
         return self._change(change)
 
-    def _move_name(self, txn: lmdb.Transaction, inode: Inode, old: tuple[int, bytes],
-                   new: tuple[int, bytes], now: int) -> Inode:
+    def _move_name(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
+                   new: tuple[int, bytes], now: int, cookie: int) -> Inode:
         """Re-point one name of `inode` (stored) and return its updated record."""
         self._unlink(txn, *old, inode.ino)
-        self._link(txn, *new, inode.ino)
+        self._link(txn, *new, inode.ino, cookie)
         return self._renamed(txn, inode, old, new, now)
 
-    def _renamed(self, txn: lmdb.Transaction, inode: Inode, old: tuple[int, bytes],
+    def _renamed(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
                  new: tuple[int, bytes], now: int) -> Inode:
         """Store an inode whose name `old` is now `new`: its primary name and model follow."""
         updated = replace(inode, ctime_ns=now)
@@ -708,7 +663,7 @@ class MetaStore:
         self._put(txn, updated)
         return updated
 
-    def _check_replaceable(self, txn: lmdb.Transaction, moved: Inode, target: Inode) -> None:
+    def _check_replaceable(self, txn: Txn, moved: Inode, target: Inode) -> None:
         if moved.is_dir and not target.is_dir:
             raise fail(errno.ENOTDIR)
         if not moved.is_dir and target.is_dir:
@@ -716,16 +671,16 @@ class MetaStore:
         if target.is_dir and self._has_children(txn, target.ino):
             raise fail(errno.ENOTEMPTY)
 
-    def _exchange(self, txn: lmdb.Transaction, first: tuple[int, bytes, Inode],
-                  second: tuple[int, bytes, Inode], now: int) -> None:
+    def _exchange(self, txn: Txn, first: tuple[int, bytes, Inode],
+                  second: tuple[int, bytes, Inode], now: int, cookies: Iterator[int]) -> None:
         (first_parent, first_name, first_inode) = first
         (second_parent, second_name, second_inode) = second
         if first_inode.ino == second_inode.ino:
             return
         self._unlink(txn, first_parent, first_name, first_inode.ino)
         self._unlink(txn, second_parent, second_name, second_inode.ino)
-        self._link(txn, first_parent, first_name, second_inode.ino)
-        self._link(txn, second_parent, second_name, first_inode.ino)
+        self._link(txn, first_parent, first_name, second_inode.ino, next(cookies))
+        self._link(txn, second_parent, second_name, first_inode.ino, next(cookies))
         self._renamed(txn, first_inode, (first_parent, first_name),
                       (second_parent, second_name), now)
         self._renamed(txn, second_inode, (second_parent, second_name),
@@ -738,11 +693,11 @@ class MetaStore:
             for parent in {first_parent, second_parent}:
                 self._adjust_parent(txn, parent, 0, now)
 
-    def _adjust_parent(self, txn: lmdb.Transaction, ino: int, nlink_delta: int, now: int) -> None:
+    def _adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
         inode = self._get(txn, ino)
         self._put(txn, replace(inode, nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
 
-    def _is_ancestor(self, txn: lmdb.Transaction, ancestor: int, ino: int) -> bool:
+    def _is_ancestor(self, txn: Txn, ancestor: int, ino: int) -> bool:
         while True:
             if ino == ancestor:
                 return True
@@ -755,7 +710,7 @@ class MetaStore:
                   mtime_ns: int | None = None, clear_mode: int = 0) -> Inode:
         """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
         setgid on writes), inside the same transaction."""
-        def change(txn: lmdb.Transaction) -> Inode:
+        def change(txn: Txn) -> Inode:
             inode = self._get(txn, ino)
             if clear_mode and not inode.mode & clear_mode and mode is None:
                 return inode  # a write that finds nothing to clear changes no attribute
@@ -777,7 +732,7 @@ class MetaStore:
 
     def allocate_blob_ids(self, count: int) -> range:
         """Take `count` blob ids in one transaction (writers take them in batches)."""
-        def change(txn: lmdb.Transaction) -> range:
+        def change(txn: Txn) -> range:
             end = self._add_counter(txn, "next_blob", count)
             return range(end - count, end)
         return self._change(change)
@@ -787,15 +742,15 @@ class MetaStore:
 
         Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> tuple[Inode, int]:
+        def change(txn: Txn) -> tuple[Inode, int]:
             inode = self._get(txn, ino)
             old_blob = inode.blob
             self._release_blob(txn, old_blob)
             size = allocated = 0
             if blob is not None:
-                txn.put(u64(blob.blob_id), blob.pack(), db=self._db["blob"])
+                txn.put("blob", u64(blob.blob_id), blob.pack())
                 if blob.pending:
-                    txn.put(u64(blob.blob_id), b"", db=self._db["pending"])
+                    txn.put("pending", u64(blob.blob_id), b"")
                 self._add_counter(txn, "used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
             updated = replace(inode, size=size, allocated=allocated,
@@ -812,7 +767,7 @@ class MetaStore:
         inodes already gone are skipped."""
         dropped = []
         now = time.time_ns()
-        def change(txn: lmdb.Transaction) -> list[Removed]:
+        def change(txn: Txn) -> list[Removed]:
             for ino in inos:
                 try:
                     inode = self._get(txn, ino)
@@ -829,51 +784,50 @@ class MetaStore:
 
     def remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """fsck: delete a directory entry whose inode is missing."""
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             self._unlink(txn, parent, name, ino)
         self._change(change)
 
     def set_nlink(self, ino: int, nlink: int) -> None:
         """fsck: set a file's link count to the number of its names."""
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             self._put(txn, replace(self._get(txn, ino), nlink=nlink))
         self._change(change)
 
     def forget_blob(self, blob_id: int) -> None:
         """fsck: delete a blob record no inode points at (its data file goes with it)."""
-        def change(txn: lmdb.Transaction) -> None:
-            txn.delete(u64(blob_id), db=self._db["blob"])
-            txn.put(u64(blob_id), b"", db=self._db["doomed"])
+        def change(txn: Txn) -> None:
+            txn.delete("blob", u64(blob_id))
+            txn.put("doomed", u64(blob_id), b"")
         self._change(change)
 
     def set_usage(self, used: int, files: int, models: dict[str, dict[str, int]]) -> None:
         """fsck: reset the usage counters to what was counted."""
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             self._set_counter(txn, "used_bytes", used)
             self._set_counter(txn, "files", files)
-            txn.drop(self._db["models"], delete=False)
+            txn.clear("models")
             for model, counts in models.items():
-                txn.put(model.encode(), _MODEL.pack(counts["files"], counts["bytes"]),
-                        db=self._db["models"])
+                txn.put("models", model.encode(), _MODEL.pack(counts["files"], counts["bytes"]))
         self._change(change)
 
     def reaped(self, blob_ids: list[int]) -> None:
-        """Doomed blobs whose files are gone; their records go with the next commit."""
-        with self._reaped_lock:
-            self._reaped.update(blob_ids)
+        """Doomed blobs whose files are gone: their records go."""
+        if not blob_ids:
+            return
 
-    def flush_reaped(self) -> None:
-        def change(txn: lmdb.Transaction) -> None:
-            pass
+        def change(txn: Txn) -> None:
+            for blob_id in blob_ids:
+                txn.delete("doomed", u64(blob_id))
         self._change(change)
 
     # -- recency and xattrs ----------------------------------------------------------------
 
     def touch(self, uses: dict[int, int]) -> None:
         """Record the last use (ns) of files in one transaction; gone inodes are skipped."""
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             for ino, used_ns in uses.items():
-                raw = txn.get(u64(ino), db=self._db["inode"])
+                raw = txn.get("inode", u64(ino))
                 if raw is None:
                     continue
                 inode = Inode.unpack(ino, raw)
@@ -886,12 +840,9 @@ class MetaStore:
         """Up to `limit` files, least recently used first, each with its position; pass the
         last position as `after` to continue."""
         found = []
-        with self.env.begin() as txn:
-            cursor = txn.cursor(db=self._db["recency"])
-            if not cursor.set_range(after + b"\0" if after else b""):
-                return found
-            for key in cursor.iternext(values=False):
-                raw = txn.get(key[8:], db=self._db["inode"])
+        with self.engine.snapshot() as txn:
+            for key, _ in txn.scan("recency", after + b"\0" if after else b""):
+                raw = txn.get("inode", key[8:])
                 if raw is not None:
                     found.append((bytes(key), Inode.unpack(from_u64(key[8:]), raw)))
                 if len(found) >= limit:
@@ -899,14 +850,14 @@ class MetaStore:
         return found
 
     def models(self) -> dict[str, dict[str, int]]:
-        with self.env.begin() as txn:
+        with self.engine.snapshot() as txn:
             return {bytes(key).decode(): dict(zip(("files", "bytes"), _MODEL.unpack(raw),
                                                   strict=True))
-                    for key, raw in txn.cursor(db=self._db["models"])}
+                    for key, raw in txn.scan("models")}
 
     def pinned(self) -> set[int]:
-        with self.env.begin() as txn:
-            return {from_u64(k) for k in txn.cursor(db=self._db["pins"]).iternext(values=False)}
+        with self.engine.snapshot() as txn:
+            return {from_u64(key) for key, _ in txn.scan("pins")}
 
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         if len(value) > XATTR_VALUE_MAX:
@@ -914,21 +865,21 @@ class MetaStore:
         if not name or len(name) > NAME_MAX:
             raise fail(errno.ERANGE)
         self._check_room()
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             inode = self._get(txn, ino)
-            txn.put(u64(ino) + name, value, db=self._db["xattr"])
+            txn.put("xattr", u64(ino) + name, value)
             if name == PIN_XATTR:
-                txn.put(u64(ino), b"", db=self._db["pins"])
+                txn.put("pins", u64(ino), b"")
             self._put(txn, replace(inode, ctime_ns=time.time_ns()))
         self._change(change)
 
     def removexattr(self, ino: int, name: bytes) -> None:
-        def change(txn: lmdb.Transaction) -> None:
+        def change(txn: Txn) -> None:
             inode = self._get(txn, ino)
-            if not txn.delete(u64(ino) + name, db=self._db["xattr"]):
+            if not txn.delete("xattr", u64(ino) + name):
                 raise fail(errno.ENODATA)
             if name == PIN_XATTR:
-                txn.delete(u64(ino), db=self._db["pins"])
+                txn.delete("pins", u64(ino))
             self._put(txn, replace(inode, ctime_ns=time.time_ns()))
         self._change(change)
 
@@ -949,80 +900,3 @@ def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
             counts["files"] += 1
             counts["bytes"] += inode.allocated
     return used, files, models
-
-
-class _GroupCommitter:
-    """Group commit: one thread makes every change. Changes that queue up while a commit
-    syncs go into the next transaction together, each in a nested transaction of its own (a
-    change that fails undoes only itself), and share its one sync; each caller is answered
-    once the commit holding its change is durable."""
-
-    def __init__(self, store: MetaStore) -> None:
-        self.store = store
-        self._queue: SimpleQueue[tuple[Callable[[lmdb.Transaction], object], Future] | None] \
-            = SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="kvfs-commit", daemon=True)
-        self._thread.start()
-
-    def run(self, change: Callable[[lmdb.Transaction], T]) -> T:
-        future: Future[T] = Future()
-        self._queue.put((change, future))
-        return future.result()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _serve(self) -> None:
-        stopping = False
-        while not stopping:
-            group = []
-            while not group or (len(group) < GROUP_MAX and not self._queue.empty()):
-                item = self._queue.get()
-                if item is None:
-                    stopping = True
-                    break
-                group.append(item)
-            try:
-                self._commit(group)
-            except BaseException as error:  # never leave a caller waiting for ever
-                log.exception("group commit failed")
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(error)
-
-    def _commit(self, group: list[tuple[Callable[[lmdb.Transaction], object], Future]]) -> None:
-        store = self.store
-        outcomes: list[tuple[object, BaseException | None]] = []
-        try:
-            txn, reaped = store._begin_write()
-            try:
-                store._stock_ids(txn, IDS_PER_CHANGE * len(group))
-                for change, _ in group:
-                    outcomes.append(self._apply(txn, change))
-                txn.commit()
-            except BaseException:
-                txn.abort()
-                raise
-        except BaseException as error:  # nothing of the group is committed
-            store._ids = range(0)  # ids taken in the aborted transaction may come again
-            failure = fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
-            outcomes = [(None, failure)] * len(group)
-        else:
-            store._forget_reaped(reaped)
-        for (_, future), (result, error) in zip(group, outcomes, strict=True):
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
-    def _apply(self, txn: lmdb.Transaction, change: Callable[[lmdb.Transaction], object]
-               ) -> tuple[object, BaseException | None]:
-        nested = self.store.env.begin(write=True, parent=txn)
-        try:
-            result = change(nested)
-            nested.commit()
-        except BaseException as error:
-            nested.abort()
-            return None, fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
-        return result, None

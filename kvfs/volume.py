@@ -107,5 +107,4 @@ def finish_unlinks(meta: MetaStore, data: DataStore) -> int:
     for blob_id in doomed:
         data.remove(blob_id)
     meta.reaped(doomed)
-    meta.flush_reaped()
     return len(doomed)

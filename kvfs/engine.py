@@ -1,0 +1,214 @@
+"""Metadata engines: where the metadata store (kvfs/meta.py) keeps its records.
+
+An engine offers ordered families of byte keys and values, read in snapshots and changed in
+transactions, and nothing about files: the namespace logic is written once, over `Txn`, in
+kvfs/meta.py (JuiceFS's transactional key-value engines are the model). `LmdbEngine` is the
+embedded one: one LMDB environment on the volume, one named database per family.
+
+Group commit: every change runs in the engine's one committer thread. Changes that queue while
+a commit syncs go into the next transaction together, each in a nested transaction of its own
+(one that fails undoes only itself), and share its one sync; each caller returns once the
+commit holding its change is durable.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from queue import SimpleQueue
+from typing import Protocol, TypeVar
+
+import lmdb
+
+from kvfs.records import fail
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+GROUP_MAX = 256  # changes committed together at most
+MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
+MAP_HEADROOM_MIN = 1 << 20
+
+
+class Txn(Protocol):
+    """A snapshot or a transaction: families of byte keys in byte order."""
+
+    def get(self, family: str, key: bytes) -> bytes | None: ...
+
+    def put(self, family: str, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, family: str, key: bytes) -> bool: ...
+
+    def pop(self, family: str, key: bytes) -> bytes | None: ...
+
+    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) from the first key >= start, in key order."""
+        ...
+
+    def clear(self, family: str) -> None: ...
+
+
+class Engine(Protocol):
+    def snapshot(self) -> AbstractContextManager[Txn]: ...
+
+    def change(self, change: Callable[[Txn], T]) -> T:
+        """Run `change` in a transaction; returns once it is durable. Errors it raises come
+        back to the caller, and its writes are undone; ENOSPC when the engine is full."""
+        ...
+
+    def has_room(self) -> bool:
+        """Whether the namespace may grow: removals must always remain possible."""
+        ...
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _LmdbTxn:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def get(self, family: str, key: bytes) -> bytes | None:
+        return self._txn.get(key, db=self._dbs[family])
+
+    def put(self, family: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[family])
+
+    def delete(self, family: str, key: bytes) -> bool:
+        return self._txn.delete(key, db=self._dbs[family])
+
+    def pop(self, family: str, key: bytes) -> bytes | None:
+        return self._txn.pop(key, db=self._dbs[family])
+
+    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        cursor = self._txn.cursor(db=self._dbs[family])
+        if cursor.set_range(start):
+            yield from cursor
+
+    def clear(self, family: str) -> None:
+        self._txn.drop(self._dbs[family], delete=False)
+
+
+class LmdbEngine:
+    """The embedded engine: LMDB in the volume's `meta/` directory."""
+
+    def __init__(self, path: Path, families: tuple[str, ...], map_size: int,
+                 readonly: bool = False) -> None:
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
+        # metasync=False: a power loss may undo the last commits but never breaks the database.
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=16, metasync=False,
+                             readahead=False, readonly=readonly, lock=True)
+        self._dbs = {family: self.env.open_db(family.encode(), create=not readonly)
+                     for family in families}
+        self._committer = None if readonly else _GroupCommitter(self)
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Txn]:
+        with self.env.begin() as txn:
+            yield _LmdbTxn(txn, self._dbs)
+
+    def change(self, change: Callable[[Txn], T]) -> T:
+        assert self._committer is not None, "a read-only engine changes nothing"
+        return self._committer.run(change)
+
+    def has_room(self) -> bool:
+        """LMDB copies on write: near a full map even a removal needs fresh pages."""
+        info, page = self.env.info(), self.env.stat()["psize"]
+        limit = info["map_size"] - max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
+        if (info["last_pgno"] + 1) * page <= limit:
+            return True
+        with self.env.begin() as txn:
+            dbs = [None, *self._dbs.values()]
+            used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+                       for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
+        return used * page <= limit
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        if self._committer is not None:
+            self._committer.stop()
+        self.env.close()
+
+    def begin_group(self) -> lmdb.Transaction:
+        return self.env.begin(write=True)
+
+    def nested(self, parent: lmdb.Transaction) -> tuple[lmdb.Transaction, Txn]:
+        txn = self.env.begin(write=True, parent=parent)
+        return txn, _LmdbTxn(txn, self._dbs)
+
+
+class _GroupCommitter:
+    """The one thread that makes every change of an LmdbEngine (group commit, above)."""
+
+    def __init__(self, engine: LmdbEngine) -> None:
+        self.engine = engine
+        self._queue: SimpleQueue[tuple[Callable[[Txn], object], Future] | None] = SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kvfs-commit", daemon=True)
+        self._thread.start()
+
+    def run(self, change: Callable[[Txn], T]) -> T:
+        future: Future[T] = Future()
+        self._queue.put((change, future))
+        return future.result()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        stopping = False
+        while not stopping:
+            group = []
+            while not group or (len(group) < GROUP_MAX and not self._queue.empty()):
+                item = self._queue.get()
+                if item is None:
+                    stopping = True
+                    break
+                group.append(item)
+            try:
+                self._commit(group)
+            except BaseException as error:  # never leave a caller waiting for ever
+                log.exception("group commit failed")
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(error)
+
+    def _commit(self, group: list[tuple[Callable[[Txn], object], Future]]) -> None:
+        outcomes: list[tuple[object, BaseException | None]] = []
+        try:
+            txn = self.engine.begin_group()
+            try:
+                outcomes = [self._apply(txn, change) for change, _ in group]
+                txn.commit()
+            except BaseException:
+                txn.abort()
+                raise
+        except BaseException as error:  # nothing of the group is committed
+            failure = fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
+            outcomes = [(None, failure)] * len(group)
+        for (_, future), (result, error) in zip(group, outcomes, strict=True):
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def _apply(self, parent: lmdb.Transaction, change: Callable[[Txn], object]
+               ) -> tuple[object, BaseException | None]:
+        nested, txn = self.engine.nested(parent)
+        try:
+            result = change(txn)
+            nested.commit()
+        except BaseException as error:
+            nested.abort()
+            return None, fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
+        return result, None
