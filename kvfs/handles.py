@@ -382,6 +382,14 @@ class FileTable:
                          WRITER_WAIT_SECONDS)
         finally:
             state.writers_waiting -= 1
+            self._forget_if_unused(state)
+
+    def _forget_if_unused(self, state: OpenInode) -> None:
+        """Drop an inode's open state once nothing holds it: no handle, and nobody waiting
+        on it (a new state would not know they wait, and readers would not let them in)."""
+        if (not state.handles and not state.writers_waiting
+                and self._open.get(state.inode.ino) is state):
+            del self._open[state.inode.ino]
 
     def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
@@ -419,8 +427,7 @@ class FileTable:
             if state.kernel_users_gone is not None and not state.kernel_users():
                 state.kernel_users_gone.set()
                 state.kernel_users_gone = None
-            if not state.handles:
-                del self._open[handle.ino]
+            self._forget_if_unused(state)
 
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""
