@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from queue import SimpleQueue
 from typing import Protocol, TypeVar
@@ -96,6 +96,20 @@ class _LmdbTxn:
         self._txn.drop(self._dbs[family], delete=False)
 
 
+class _LmdbSnapshot:
+    """A read transaction as a context manager (a plain class: lookups are the hot path)."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def __enter__(self) -> Txn:
+        return _LmdbTxn(self._txn, self._dbs)
+
+    def __exit__(self, *exc: object) -> None:
+        self._txn.abort()
+
+
 class LmdbEngine:
     """The embedded engine: LMDB in the volume's `meta/` directory."""
 
@@ -110,10 +124,8 @@ class LmdbEngine:
                      for family in families}
         self._committer = None if readonly else _GroupCommitter(self)
 
-    @contextmanager
-    def snapshot(self) -> Iterator[Txn]:
-        with self.env.begin() as txn:
-            yield _LmdbTxn(txn, self._dbs)
+    def snapshot(self) -> _LmdbSnapshot:
+        return _LmdbSnapshot(self.env.begin(), self._dbs)
 
     def change(self, change: Callable[[Txn], T]) -> T:
         assert self._committer is not None, "a read-only engine changes nothing"
