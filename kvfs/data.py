@@ -307,11 +307,6 @@ class StagedFile:
         staged.take_kernel_writes()
         return staged
 
-    @property
-    def independent(self) -> bool:
-        """Holds all of its content itself (no base left to copy in lazily)."""
-        return self._base is None
-
     def kernel_wrote(self) -> bool:
         """Whether the file changed since kvfs last touched it (passthrough writes)."""
         return _file_state(self.fd) != self._seen
