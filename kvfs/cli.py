@@ -62,6 +62,12 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel readahead of the mount, KiB (default %(default)s)")
     parser.add_argument("--max-background", type=int, default=MountConfig.max_background,
                         help="kernel FUSE requests in flight (default %(default)s)")
+    parser.add_argument("--meta", metavar="redis://HOST:PORT/DB",
+                        help="keep the metadata in this Redis server, shared by every host that "
+                             "mounts the pool (default: LMDB in DATA/meta, one host)")
+    parser.add_argument("--session-ttl", type=float, default=MountConfig.session_ttl,
+                        help="shared pool: seconds without heartbeat after which other hosts "
+                             "clean up after this one (default %(default)s)")
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
     parser.add_argument("--verify", choices=("open", "always"), default="open",
@@ -84,6 +90,7 @@ def mount_command(args: argparse.Namespace) -> None:
         foreground=args.foreground, debug=args.debug, allow_other=args.allow_other,
         fsync=args.fsync, cache_bytes=args.cache_size, readahead_bytes=args.readahead,
         read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
+        meta_url=args.meta, session_ttl=args.session_ttl,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto" and args.verify == "open",
@@ -96,8 +103,7 @@ def umount_command(args: argparse.Namespace) -> None:
     mount = find_mount(mountpoint)
     if mount is None or not mount.source.startswith("kvfs:"):
         raise CliError(f"{mountpoint} is not a kvfs mount")
-    lock = Volume(Path(mount.source.removeprefix("kvfs:"))).lock_path
-    pid = int(lock.read_text().strip() or 0) if lock.exists() else 0
+    pid = Volume(Path(mount.source.removeprefix("kvfs:"))).daemon_pid(mountpoint)
     result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
                             text=True)
     if result.returncode:
@@ -145,7 +151,7 @@ def prewarm_command(args: argparse.Namespace) -> None:
 
 
 def fsck_command(args: argparse.Namespace) -> None:
-    if not fsck.run(args.data, repair=args.repair):
+    if not fsck.run(args.data, repair=args.repair, meta_url=args.meta):
         sys.exit(1)
 
 
@@ -173,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.set_defaults(func=prewarm_command)
     check = commands.add_parser("fsck", help="check (and repair) an unmounted volume")
     check.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR)
+    check.add_argument("--meta", metavar="redis://HOST:PORT/DB",
+                       help="a shared pool's metadata engine (as given to mount)")
     check.add_argument("--repair", action="store_true",
                        help="drop damaged files, reclaim orphaned data, fix counters")
     check.set_defaults(func=fsck_command)

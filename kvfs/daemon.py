@@ -20,12 +20,14 @@ import trio
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
-from kvfs.fuse_ops import KernelNotifier, KvfsOperations
+from kvfs.fuse_ops import ONE_HOST_CACHING, SHARED_CACHING, KernelNotifier, KvfsOperations
 from kvfs.handles import FileTable
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
 from kvfs.passthrough import Passthrough
+from kvfs.records import FsError
+from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
 from kvfs.space import Space
 from kvfs.stats import Stats
 from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
@@ -49,6 +51,8 @@ class MountConfig:
     readahead_bytes: int = DEFAULT_READAHEAD_BYTES
     read_ahead_kb: int = tuning.DEFAULT_READ_AHEAD_KB
     max_background: int = tuning.DEFAULT_MAX_BACKGROUND
+    meta_url: str | None = None  # a shared engine (redis://...); None: LMDB in DATA/meta
+    session_ttl: float = DEFAULT_TTL
     meta_map_size: int = DEFAULT_MAP_SIZE
     log_file: Path | None = None
     syslog: bool = False
@@ -91,29 +95,41 @@ class Daemon:
     def __init__(self, config: MountConfig) -> None:
         self.config = config
         self.volume = Volume(config.data)
-        self.meta = self.volume.open_metadata(config.meta_map_size)
-        self.data = self.volume.open_data(config.fsync)
-        pending = self.volume.recover(self.meta, self.data)
+        self.meta = self.volume.open_metadata(config.meta_url, config.meta_map_size)
+        self.shared = self.meta.engine.shared
+        session_id = new_session_id(self.meta)
+        self.data = self.volume.open_data(config.fsync, session_id)
+        # One host recovers its own crash now; in a shared pool every mount is a new
+        # session, and dead ones are cleaned up by whichever live host claims them first.
+        pending = [] if self.shared else self.volume.recover(self.meta, self.data)
         if config.capacity is not None:
             self.meta.set_capacity(config.capacity)
         elif not self.meta.capacity():
             self.meta.set_capacity(shutil.disk_usage(config.data).free)
         self.stats = Stats()
+        self.session = Session(self.meta, self.data, self.stats, config.mountpoint,
+                               config.session_ttl)
+        if self.shared:
+            self.volume.record_mount(session_id, config.mountpoint)
         self.notifier = KernelNotifier()
-        self.space = Space(self.meta, config.data, self.stats, is_open=self._is_open,
-                           on_evicted=self._evicted)
+        self.space = Space(self.meta, config.data, self.stats, self.session,
+                           is_open=self._is_open, on_evicted=self._evicted)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
         self.passthrough = Passthrough(config.passthrough)
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
-                               self.passthrough,
+                               self.passthrough, self.session,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
-        self.files.verifier.load(self.volume.verified_path)
+        self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier, self.passthrough)
+                                         self.notifier, self.passthrough,
+                                         SHARED_CACHING if self.shared else ONE_HOST_CACHING)
+
+    def _staged(self) -> int:
+        return self.space.inflight
 
     def _is_open(self, ino: int) -> bool:
         return self.files.is_open(ino)
@@ -154,6 +170,8 @@ class Daemon:
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
             nursery.start_soon(self.files.hasher.run)
+            nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
+            nursery.start_soon(self.session.sweep_doomed)
             self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -176,12 +194,27 @@ class Daemon:
         self.files.hasher.settle_remaining()
         self.files.reap_remaining()
         try:
-            self.files.verifier.save(self.volume.verified_path)
+            self.files.verifier.save(self.volume.verified_path(self.shared))
         except OSError as error:
             log.warning("verification marks not kept: %s", error)
+        if self.shared:
+            self._leave_pool()
         self.meta.engine.sync()
         self.meta.close()
         log.info("unmounted %s", self.config.mountpoint)
+
+
+    def _leave_pool(self) -> None:
+        """A clean unmount of a shared pool: what this host doomed and nobody holds goes
+        now, its session record and staging directory go (others need not clean up)."""
+        try:
+            self.session.reap_doomed()
+            self.session.end()
+            self.data.staging_dir.rmdir()
+        except (OSError, FsError) as error:
+            log.warning("leaving the pool: %s (another host cleans up after this session)",
+                        error)
+        self.volume.forget_mount(self.meta.session)
 
 
 def run(config: MountConfig) -> None:
@@ -192,9 +225,10 @@ def run(config: MountConfig) -> None:
     except OSError as error:
         raise MountError(f"cannot resolve paths: {error.strerror}") from None
     check_mountpoint(config.mountpoint)
-    lock_fd = Volume(config.data).lock()
+    lock_fd = Volume(config.data).lock(exclusive=config.meta_url is None)
     if config.foreground:
-        Volume.record_pid(lock_fd)
+        if config.meta_url is None:
+            Volume.record_pid(lock_fd)
         setup_logging(config)
         _serve(config)
         return
@@ -211,7 +245,8 @@ def run(config: MountConfig) -> None:
         return
     os.close(read_end)
     os.setsid()
-    Volume.record_pid(lock_fd)
+    if config.meta_url is None:
+        Volume.record_pid(lock_fd)
     code = 0
     try:
         setup_logging(config)

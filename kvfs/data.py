@@ -4,6 +4,7 @@ Layout under the data directory:
 
     blobs/<id & 0xff as 2 hex>/<id as 16 hex>   committed content, never modified in place
     staging/<id as 16 hex>                        content being written by an open handle
+    staging/<session>/<id as 16 hex>              the same, of one host of a shared pool
 
 A writer fills a staging file; committing publishes it (rename into blobs/) right after the
 metadata commit that makes it visible. A committed blob whose publication failed stays in
@@ -122,13 +123,16 @@ class ChecksumError(Exception):
 
 
 class DataStore:
-    def __init__(self, root: Path, fsync: bool = False) -> None:
+    def __init__(self, root: Path, fsync: bool = False, session: str = "") -> None:
+        """`session`: this host's staging directory in a shared pool ("": staging/ itself)."""
         self.blobs_dir = root / "blobs"
-        self.staging_dir = root / "staging"
+        self.staging_root = root / "staging"
+        self.staging_dir = self.staging_root / session if session else self.staging_root
+        self.shared = bool(session)
         self.fsync = fsync
         for shard in range(256):
             (self.blobs_dir / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
-        self.staging_dir.mkdir(exist_ok=True)
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
 
     def path(self, blob_id: int) -> Path:
         return self.blobs_dir / f"{blob_id & 0xFF:02x}" / f"{blob_id:016x}"
@@ -159,13 +163,28 @@ class DataStore:
         try:
             return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as published_error:
-            try:
-                return os.open(self.staging_path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
+            for staged in self._staged_copies(blob_id):
                 try:
-                    return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+                    return os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
-                    raise published_error from None
+                    continue
+            try:
+                return os.open(self.path(blob_id), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise published_error from None
+
+    def _staged_copies(self, blob_id: int) -> list[Path]:
+        """Where a committed, unpublished blob may be: this host's staging directory, or
+        (shared pool) the host's that committed it."""
+        name = f"{blob_id:016x}"
+        if not self.shared:
+            return [self.staging_dir / name]
+        return [self.staging_dir / name, *(path for path in self.staging_root.glob(f"*/{name}")
+                                           if path.parent != self.staging_dir)]
+
+    def staged_anywhere(self, blob_id: int) -> bool:
+        """Whether some host still has the blob in its staging directory (publishing it)."""
+        return any(path.exists() for path in self._staged_copies(blob_id))
 
     @staticmethod
     def will_read(fd: int) -> None:
@@ -179,19 +198,23 @@ class DataStore:
         _unlink_quietly(self.path(blob_id))
         _unlink_quietly(self.staging_path(blob_id))
 
-    def recover(self, is_committed: Callable[[int], bool]) -> tuple[int, int]:
-        """Finish or discard what a crash left in staging/; returns (published, discarded)."""
+    def recover(self, is_committed: Callable[[int], bool],
+                directory: Path | None = None) -> tuple[int, int]:
+        """Finish or discard what a crash left in a staging directory (this host's, or a
+        dead host's); returns (published, discarded)."""
         published = discarded = 0
-        for entry in os.scandir(self.staging_dir):
+        for entry in os.scandir(directory or self.staging_dir):
             try:
                 blob_id = int(entry.name, 16)
             except ValueError:
-                continue
+                continue  # not kvfs's
+            if entry.is_dir(follow_symlinks=False):
+                continue  # a host's staging directory: that host's, or its reaper's
             if is_committed(blob_id):
-                self.publish(blob_id)
+                os.rename(entry.path, self.path(blob_id))
                 published += 1
             else:
-                self.discard_staging(blob_id)
+                _unlink_quietly(Path(entry.path))
                 discarded += 1
         return published, discarded
 

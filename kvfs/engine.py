@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ T = TypeVar("T")
 GROUP_MAX = 256  # changes committed together at most
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
+_COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
 
 
 class Txn(Protocol):
@@ -46,14 +48,30 @@ class Txn(Protocol):
 
     def pop(self, family: str, key: bytes) -> bytes | None: ...
 
+    def discard(self, family: str, key: bytes) -> None:
+        """Delete without reading (a shared engine then watches nothing)."""
+        ...
+
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
-        """(key, value) from the first key >= start, in key order."""
+        """(key, value) from the first key >= start, in key order. Callers stop where the
+        keys leave the 8-byte prefix they scan (a shared engine partitions by it)."""
         ...
 
     def clear(self, family: str) -> None: ...
 
+    def count(self, family: str, key: bytes) -> int:
+        """A counter's value (0 if never added to); not read inside a change, so that hot
+        counters never make changes conflict."""
+        ...
+
+    def counts(self, family: str) -> dict[bytes, int]: ...
+
+    def add(self, family: str, key: bytes, delta: int) -> None: ...
+
 
 class Engine(Protocol):
+    shared: bool  # whether other hosts use the same metadata at the same time
+
     def snapshot(self) -> AbstractContextManager[Txn]: ...
 
     def change(self, change: Callable[[Txn], T]) -> T:
@@ -61,9 +79,20 @@ class Engine(Protocol):
         back to the caller, and its writes are undone; ENOSPC when the engine is full."""
         ...
 
+    def allocate(self, key: bytes, count: int) -> int:
+        """Add `count` to the counter `key` (family `counters`) at once, outside any change;
+        returns its new value (id stocks)."""
+        ...
+
     def has_room(self) -> bool:
         """Whether the namespace may grow: removals must always remain possible."""
         ...
+
+    def beat(self, session: bytes, ttl: float) -> None:
+        """Say that `session` lives, for `ttl` seconds more."""
+        ...
+
+    def alive(self, session: bytes) -> bool: ...
 
     def sync(self) -> None: ...
 
@@ -87,6 +116,9 @@ class _LmdbTxn:
     def pop(self, family: str, key: bytes) -> bytes | None:
         return self._txn.pop(key, db=self._dbs[family])
 
+    def discard(self, family: str, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs[family])
+
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         cursor = self._txn.cursor(db=self._dbs[family])
         if cursor.set_range(start):
@@ -94,6 +126,16 @@ class _LmdbTxn:
 
     def clear(self, family: str) -> None:
         self._txn.drop(self._dbs[family], delete=False)
+
+    def count(self, family: str, key: bytes) -> int:
+        raw = self._txn.get(key, db=self._dbs[family])
+        return _COUNT.unpack(raw)[0] if raw else 0
+
+    def counts(self, family: str) -> dict[bytes, int]:
+        return {bytes(key): _COUNT.unpack(raw)[0] for key, raw in self.scan(family)}
+
+    def add(self, family: str, key: bytes, delta: int) -> None:
+        self._txn.put(key, _COUNT.pack(self.count(family, key) + delta), db=self._dbs[family])
 
 
 class _LmdbSnapshot:
@@ -113,12 +155,14 @@ class _LmdbSnapshot:
 class LmdbEngine:
     """The embedded engine: LMDB in the volume's `meta/` directory."""
 
+    shared = False
+
     def __init__(self, path: Path, families: tuple[str, ...], map_size: int,
                  readonly: bool = False) -> None:
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
         # metasync=False: a power loss may undo the last commits but never breaks the database.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=16, metasync=False,
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
                              readahead=False, readonly=readonly, lock=True)
         self._dbs = {family: self.env.open_db(family.encode(), create=not readonly)
                      for family in families}
@@ -130,6 +174,18 @@ class LmdbEngine:
     def change(self, change: Callable[[Txn], T]) -> T:
         assert self._committer is not None, "a read-only engine changes nothing"
         return self._committer.run(change)
+
+    def allocate(self, key: bytes, count: int) -> int:
+        def change(txn: Txn) -> int:
+            txn.add("counters", key, count)
+            return txn.count("counters", key)
+        return self.change(change)
+
+    def beat(self, session: bytes, ttl: float) -> None:
+        """One host: the volume's lock says who lives."""
+
+    def alive(self, session: bytes) -> bool:
+        return True
 
     def has_room(self) -> bool:
         """LMDB copies on write: near a full map even a removal needs fresh pages."""

@@ -23,24 +23,30 @@ class FsckError(Exception):
     """fsck cannot run at all (volume in use, not a kvfs volume)."""
 
 
-def run(data_dir: Path, repair: bool, console: Console | None = None) -> bool:
-    """Returns True when the volume is clean or was repaired."""
+def run(data_dir: Path, repair: bool, console: Console | None = None,
+        meta_url: str | None = None) -> bool:
+    """Returns True when the volume is clean or was repaired. A shared pool (`meta_url`) is
+    checked only while no host has it mounted."""
     # File names are data, not markup, and each report stays on one greppable line.
     console = console or Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
     data_dir = data_dir.resolve()
     volume = Volume(data_dir)
     if not volume.exists():
-        raise FsckError(f"{data_dir} is not a kvfs volume (no meta/data.mdb)")
+        raise FsckError(f"{data_dir} is not a kvfs volume (no meta/data.mdb or "
+                        f"shared-metadata)")
     try:
         lock_fd = volume.lock()
     except VolumeError as error:
         raise FsckError(f"{error}; unmount it first") from None
     try:
-        meta = MetaStore(volume.meta_dir)
+        meta = volume.open_metadata(meta_url)
     except Exception as error:
         os.close(lock_fd)
-        raise FsckError(f"metadata in {volume.meta_dir} is unreadable: {error}") from None
+        raise FsckError(str(error)) from None
     try:
+        live = [session for session in meta.sessions() if meta.engine.alive(session)]
+        if live:
+            raise FsckError(f"{data_dir} is mounted by {len(live)} hosts; unmount them first")
         checker = Checker(meta, volume.open_data(), console)
         problems = checker.check(repair)
     finally:
@@ -69,9 +75,11 @@ class Checker:
         self.console.print(f"  problem: {message}")
 
     def check(self, repair: bool) -> int:
-        leftovers = len(list(self.data.staging_dir.iterdir())) + len(self.meta.doomed())
+        staged = [path for path in self.data.staging_root.rglob("*") if path.is_file()]
+        leftovers = len(staged) + len(self.meta.doomed()) + len(self.meta.sessions())
         if leftovers:
-            self.report(f"{leftovers} staged or unlinked data files left by a crash")
+            self.report(f"{leftovers} staged or unlinked data files or host sessions left by "
+                        f"a crash")
             if repair:
                 Volume.recover(self.meta, self.data)
         inodes = {inode.ino: inode for inode in self.meta.inodes()}

@@ -17,6 +17,7 @@ import queue
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
@@ -34,12 +35,25 @@ from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-# Everything that changes the namespace goes through this kernel, which updates its own
-# caches; the daemon's own changes (evicted or dropped files, commits) are pushed to it. So
-# misses can be cached long. Hits are cached briefly so that LMCache's lookups still reach the
-# daemon and keep the file's recency current for eviction.
-ENTRY_TIMEOUT = 1.0
-NEGATIVE_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class KernelCaching:
+    """How long the kernel may answer lookups and stats itself (seconds)."""
+
+    entry: float  # names and attributes
+    negative: float  # misses
+
+
+# One host: everything that changes the namespace goes through this kernel, which updates its
+# own caches; the daemon's own changes (evicted or dropped files, commits) are pushed to it.
+# So misses can be cached long. Hits are cached briefly so that LMCache's lookups still reach
+# the daemon and keep the file's recency current for eviction.
+ONE_HOST_CACHING = KernelCaching(entry=1.0, negative=30.0)
+# A shared pool: other hosts change the namespace behind this kernel's back. Misses are never
+# cached and hits only for 50 ms, so a chunk committed on one host is found by a lookup on
+# any other at once, and a name removed or replaced there is gone here within 50 ms.
+SHARED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
@@ -109,7 +123,7 @@ def caller(ctx: RequestContext) -> Caller:
     return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
-def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttributes:
+def entry_attributes(inode: Inode, timeout: float) -> EntryAttributes:
     entry = EntryAttributes()
     entry.st_ino = inode.ino
     entry.st_mode = inode.mode
@@ -128,19 +142,21 @@ def entry_attributes(inode: Inode, timeout: float = ENTRY_TIMEOUT) -> EntryAttri
     return entry
 
 
-def negative_entry() -> EntryAttributes:
+def negative_entry(timeout: float) -> EntryAttributes:
     """A cacheable 'no such name': the kernel answers repeated misses itself."""
     entry = EntryAttributes()
     entry.st_ino = 0
-    entry.entry_timeout = NEGATIVE_TIMEOUT
+    entry.entry_timeout = timeout
     return entry
 
 
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough,
+                 caching: KernelCaching = ONE_HOST_CACHING) -> None:
         super().__init__()
+        self.caching = caching
         self.meta = meta
         self.files = files
         self.space = space
@@ -165,7 +181,7 @@ class KvfsOperations(pyfuse3.Operations):
         """Attributes of a file being written are not cached: its size and times change at
         the close that commits, and a stat right after that close must see them."""
         return entry_attributes(inode, 0.0 if self.files.has_writer(inode.ino)
-                                else ENTRY_TIMEOUT)
+                                else self.caching.entry)
 
     def _refuse_control(self, *places: tuple[int, bytes]) -> None:
         if any(self.control.is_reserved(parent, name) for parent, name in places):
@@ -176,16 +192,16 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext
                      ) -> EntryAttributes:
         if name == b".":
-            return entry_attributes(self._attributes(parent_inode))
+            return self._entry(self._attributes(parent_inode))
         if name == b"..":
-            return entry_attributes(self._attributes(self._attributes(parent_inode).parent))
+            return self._entry(self._attributes(self._attributes(parent_inode).parent))
         control = self.control.lookup(parent_inode, name)
         if control is not None:
-            return entry_attributes(control)
+            return self._entry(control)
         inode = self.meta.lookup(parent_inode, name)
         if inode is None:
             self.stats.lookup_misses += 1
-            return negative_entry()
+            return negative_entry(self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.touch(inode.ino)
         return self._entry(self.files.attributes(inode.ino))
@@ -224,15 +240,15 @@ class KvfsOperations(pyfuse3.Operations):
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        return entry_attributes(self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid,
-                                               rdev=rdev))
+        inode = self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
+        return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
         inode = self.meta.make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
-        return entry_attributes(inode)
+        return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
@@ -253,15 +269,17 @@ class KvfsOperations(pyfuse3.Operations):
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        return entry_attributes(self.meta.make(parent_inode, name, stat.S_IFLNK | 0o777,
-                                               ctx.uid, ctx.gid, target=target))
+        inode = self.meta.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                               target=target)
+        return entry_attributes(inode, self.caching.entry)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((new_parent_inode, new_name))
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        return entry_attributes(self.meta.link(inode, new_parent_inode, new_name))
+        linked = self.meta.link(inode, new_parent_inode, new_name)
+        return entry_attributes(linked, self.caching.entry)
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
@@ -280,11 +298,13 @@ class KvfsOperations(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        timeout = self.caching.entry
         for name, inode, cookie in self.meta.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), cookie):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout), cookie):
                 return
         for name, inode in self.control.entries(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), inode.ino):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
+                                         inode.ino):
                 return
 
     async def releasedir(self, fh: int) -> None:
@@ -309,7 +329,7 @@ class KvfsOperations(pyfuse3.Operations):
         inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
                                ctx.gid)
         opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx), created=True)
-        return opened.file_info(), entry_attributes(inode)
+        return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):

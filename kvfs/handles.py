@@ -58,6 +58,7 @@ from kvfs.data import (
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.passthrough import LateHasher, Passthrough, Verifier
 from kvfs.records import BlobInfo, FsError, fail
+from kvfs.sessions import Session
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -162,7 +163,7 @@ def privileges_to_clear(inode: Inode, writer: Caller) -> int:
 
 class FileTable:
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
-                 space: Space, passthrough: Passthrough,
+                 space: Space, passthrough: Passthrough, session: Session,
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
@@ -173,6 +174,7 @@ class FileTable:
         self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.stats = stats
         self.space = space
+        self.session = session
         self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
         self.on_removed = on_removed  # tell the kernel names vanished (eviction, lost data)
         self._handles: dict[int, Handle] = {}
@@ -233,13 +235,19 @@ class FileTable:
         if self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
             inode, blob = await self._content(inode.ino)
-        fd = self._open_blob(inode, blob)
-        if self._passes_through(writable, flags, blob):
-            await self._verify_whole(inode, blob, fd)
-        if self._backing_conflict(inode.ino, writable, flags, blob):
-            if fd is not None:
-                os.close(fd)
-            raise fail(errno.EBUSY)  # passthrough readers of another version stay open
+        inode, blob = await self._hold(inode, blob)
+        try:
+            fd = self._open_blob(inode, blob)
+            if self._passes_through(writable, flags, blob):
+                await self._verify_whole(inode, blob, fd)
+            if self._backing_conflict(inode.ino, writable, flags, blob):
+                if fd is not None:
+                    os.close(fd)
+                raise fail(errno.EBUSY)  # passthrough readers of another version stay open
+        except BaseException:
+            if blob is not None:
+                self.session.release(blob.blob_id)
+            raise
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd,
                         kill_privs=caller if writable and caller.uid else None)
@@ -283,6 +291,22 @@ class FileTable:
                 self._drop_damaged(inode, str(error), blob)
                 raise fail(errno.EIO) from None
             inode, blob = self.meta.content(ino)
+        return inode, blob
+
+    async def _hold(self, inode: Inode, blob: BlobInfo | None
+                    ) -> tuple[Inode, BlobInfo | None]:
+        """Hold the blob about to be opened (released with the handle). In a shared pool the
+        hold is recorded first and the inode read again: a blob that another host replaced
+        in between may already be on its way out, so the new one is held instead."""
+        while blob is not None:
+            self.session.hold(blob.blob_id)
+            if not self.session.shared:
+                break
+            again, again_blob = await self._content(inode.ino)
+            if again_blob is not None and again_blob.blob_id == blob.blob_id:
+                return again, again_blob
+            self.session.release(blob.blob_id)
+            inode, blob = again, again_blob
         return inode, blob
 
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
@@ -417,6 +441,8 @@ class FileTable:
             self.space.inflight -= handle.reserved
             if handle.fd is not None:
                 os.close(handle.fd)
+            if handle.blob is not None:
+                self.session.release(handle.blob.blob_id)
             state = self._open[handle.ino]
             state.handles.discard(handle)
             if handle.backing and state.backing is not None:
@@ -455,6 +481,8 @@ class FileTable:
             return
         self.cache.drop_blob(blob_id)
         self.verifier.forget(blob_id)
+        if self.session.shared:
+            return  # the session's doomed sweep deletes it once no host holds it
         if blob_id in self._publishing:
             self._doomed_when_published.add(blob_id)
             return
@@ -649,6 +677,9 @@ class FileTable:
         old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
         if old_fd is not None:
             os.close(old_fd)
+        self.session.hold(blob.blob_id)
+        if handle.blob is not None:
+            self.session.release(handle.blob.blob_id)
         handle.blob, handle.version = blob, inode.version
         self._open[handle.ino].inode = inode
         self.stats.commits += 1

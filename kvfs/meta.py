@@ -14,12 +14,19 @@ Key schema (one family each):
     xattr    ino + attribute name     -> value
     blob     blob id                  -> owner ino, size, allocated, block size, xxh3 per block
     doomed   blob id                  -> b""   (data files to delete; crash-safe unlink)
-    pending  blob id                  -> b""   (blobs whose block sums are still to be taken)
+    pending  blob id                  -> session (blobs whose block sums are still to be taken)
     recency  atime ns + ino           -> b""   (files by last use: eviction order)
     pins     ino                      -> b""   (files and directories with user.kvfs.pin)
-    models   model name (utf-8)       -> i64 files + i64 allocated bytes (LMCache files per model)
-    counters name                     -> u64   (next_ino, next_blob, used_bytes, files)
+    held     blob id + session        -> b""   (blobs open on a host of a shared pool)
+    holding  session + blob id        -> b""   (the same, by session)
+    sessions session                  -> host name, pid, boot id, mountpoint (shared pool)
+    models   model name + \0files|\0bytes -> counter (LMCache files and bytes per model)
+    counters name                     -> counter (next_ino, next_blob, used_bytes, files)
     settings name                     -> bytes (format, capacity, boot: boot id of the last mount)
+
+Counters are only ever added to inside a change (never read there), so that a shared engine
+adds them without making changes that touch them conflict; id stocks are taken outside
+changes (`Engine.allocate`).
 
 Every directory entry has a cookie, unique for the volume's life (taken from the inode
 counter), so that readdir resumes after the last cookie it returned and a listing stays
@@ -53,10 +60,9 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TypeVar
 
-from kvfs.engine import Engine, LmdbEngine, Txn
+from kvfs.engine import Engine, Txn
 from kvfs.models import model_of
 from kvfs.records import BLOB_RECORD, BlobInfo, FsError, fail
 
@@ -65,8 +71,9 @@ NAME_MAX = 255
 PATH_MAX = 4096
 XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
-FORMAT = b"kvfs-2"
-OLD_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
+FORMAT = b"kvfs-3"
+V1_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
+V2_FORMAT = b"kvfs-2"  # per-model usage as one packed record: migrated in place at open
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 LINK_MAX = 65000  # as ext4
 
@@ -75,12 +82,13 @@ T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
-_MODEL = struct.Struct("<qq")
+MODEL_FILES = b"\0files"
+MODEL_BYTES = b"\0bytes"
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 FAMILIES = ("inode", "dentry", "dirlist", "links", "symlink", "xattr", "blob", "doomed", "pending",
-            "recency", "pins", "models", "counters", "settings")
+            "held", "holding", "sessions", "recency", "pins", "models", "counters", "settings")
 
 
 def u64(value: int) -> bytes:
@@ -161,9 +169,9 @@ def check_name(name: bytes) -> None:
 class MetaStore:
     """Namespace and attributes of one kvfs volume, kept in LMDB."""
 
-    def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE,
-                 readonly: bool = False) -> None:
-        self.engine: Engine = LmdbEngine(path, FAMILIES, map_size, readonly)
+    def __init__(self, engine: Engine, readonly: bool = False) -> None:
+        self.engine = engine
+        self.session = b""  # this mount's session in a shared pool (kvfs/sessions.py)
         self._ids: range = range(0)  # inode numbers and cookies in stock
         self._ids_lock = threading.Lock()
         if not readonly:
@@ -177,8 +185,10 @@ class MetaStore:
         stored = txn.get("settings", b"format")
         if stored is None:
             self._format(txn)
-        elif stored == OLD_FORMAT:
+        elif stored == V1_FORMAT:
             self._migrate_from_v1(txn)
+        elif stored == V2_FORMAT:
+            self._migrate_from_v2(txn)
         elif stored != FORMAT:
             raise RuntimeError(f"unsupported metadata format {stored!r}")
 
@@ -192,8 +202,8 @@ class MetaStore:
                      now, now, ROOT_INO, 0, 0, b"")
         txn.put("inode", u64(ROOT_INO), root.pack())
         txn.put("settings", b"format", FORMAT)
-        self._set_counter(txn, "next_ino", ROOT_INO + 1)
-        self._set_counter(txn, "next_blob", 1)
+        txn.add("counters", b"next_ino", ROOT_INO + 1)
+        txn.add("counters", b"next_blob", 1)
 
     def _migrate_from_v1(self, txn: Txn) -> None:
         """kvfs-1 records: no rdev, allocation or cookies; one name per inode. A file's
@@ -212,7 +222,8 @@ class MetaStore:
             inode = Inode(ino, mode, nlink, uid, gid, 0, size, allocated.get(ino, 0), *times,
                           parent, blob, version, bytes(raw[old_inode.size:]))
             self._put(txn, inode)
-        self._set_counter(txn, "used_bytes", sum(allocated.values()))
+        txn.add("counters", b"used_bytes",
+                sum(allocated.values()) - txn.count("counters", b"used_bytes"))
         txn.clear("models")
         for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.scan("inode")]:
             self._count_model(txn, inode, inode.name, 1, inode.allocated)
@@ -223,34 +234,33 @@ class MetaStore:
             txn.put("dirlist", key, key[8:] + name)
         txn.put("settings", b"format", FORMAT)
 
+    def _migrate_from_v2(self, txn: Txn) -> None:
+        """kvfs-2 kept a model's files and bytes in one packed record (embedded engine only:
+        these reads inside a change are fine there)."""
+        packed = struct.Struct("<qq")
+        for key, raw in list(txn.scan("models")):
+            files, allocated = packed.unpack(raw)
+            txn.delete("models", key)
+            txn.add("models", key + MODEL_FILES, files)
+            txn.add("models", key + MODEL_BYTES, allocated)
+        txn.put("settings", b"format", FORMAT)
+
     # -- small helpers -------------------------------------------------------------------
 
     def _change(self, change: Callable[[Txn], T]) -> T:
         """Run `change` in one transaction of the engine; returns once it is durable."""
         return self.engine.change(change)
 
-    def _fresh_ids(self, count: int) -> Iterator[int]:
+    def _fresh_ids(self, count: int) -> range:
         """Inode numbers or cookies for one change, taken (in the caller's thread, before the
-        change) from a stock that is itself taken from `next_ino` in committed batches:
-        ids are never reused, whatever happens to the changes that got them."""
+        change, which may run more than once) from a stock that is itself taken from
+        `next_ino` in batches: ids are never reused, whatever happens to the changes."""
         with self._ids_lock:
             if len(self._ids) < count:
-                end = self._change(lambda txn: self._add_counter(txn, "next_ino", ID_BATCH))
+                end = self.engine.allocate(b"next_ino", ID_BATCH)
                 self._ids = range(end - ID_BATCH, end)
             taken, self._ids = self._ids[:count], self._ids[count:]
-        return iter(taken)
-
-    def _counter(self, txn: Txn, name: str) -> int:
-        raw = txn.get("counters", name.encode())
-        return from_u64(raw) if raw else 0
-
-    def _set_counter(self, txn: Txn, name: str, value: int) -> None:
-        txn.put("counters", name.encode(), u64(value))
-
-    def _add_counter(self, txn: Txn, name: str, delta: int) -> int:
-        value = self._counter(txn, name) + delta
-        self._set_counter(txn, name, value)
-        return value
+        return taken
 
     def _get(self, txn: Txn, ino: int) -> Inode:
         raw = txn.get("inode", u64(ino))
@@ -275,15 +285,12 @@ class MetaStore:
                      allocated: int) -> None:
         """Per-model usage: a file counts for the model its primary name says (if any)."""
         model = None if inode.is_dir else model_of(name)
-        if model is None or not (files or allocated):
+        if model is None:
             return
-        key = model.encode()
-        raw = txn.get("models", key)
-        old_files, old_bytes = _MODEL.unpack(raw) if raw else (0, 0)
-        if old_files + files <= 0:
-            txn.delete("models", key)
-        else:
-            txn.put("models", key, _MODEL.pack(old_files + files, old_bytes + allocated))
+        if files:
+            txn.add("models", model.encode() + MODEL_FILES, files)
+        if allocated:
+            txn.add("models", model.encode() + MODEL_BYTES, allocated)
 
     def _dir(self, txn: Txn, ino: int) -> Inode:
         inode = self._get(txn, ino)
@@ -348,7 +355,7 @@ class MetaStore:
         for name in self._suffixes(txn, "xattr", key):
             txn.delete("xattr", key + name)
         if not inode.is_dir:
-            self._add_counter(txn, "files", -1)
+            txn.add("counters", b"files", -1)
         self._count_model(txn, inode, inode.name, -1, -inode.allocated)
         self._release_blob(txn, inode.blob)
 
@@ -357,7 +364,7 @@ class MetaStore:
             return
         raw = txn.pop("blob", u64(blob_id))
         if raw is not None:
-            self._add_counter(txn, "used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
+            txn.add("counters", b"used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
         txn.delete("pending", u64(blob_id))
         txn.put("doomed", u64(blob_id), b"")
 
@@ -386,13 +393,17 @@ class MetaStore:
         return bytes(target)
 
     def content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
-        """An inode and the record of its blob, from one snapshot."""
-        with self.engine.snapshot() as txn:
-            inode = self._get(txn, ino)
-            raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
-        if inode.blob and raw is None:
-            raise fail(errno.EIO)
-        return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
+        """An inode and the record of its blob, as of one moment (a shared engine's reads
+        are not one snapshot: a blob replaced between the two reads means read again)."""
+        while True:
+            with self.engine.snapshot() as txn:
+                inode = self._get(txn, ino)
+                raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
+                if inode.blob and raw is None and self._get(txn, ino).blob != inode.blob:
+                    continue
+            if inode.blob and raw is None:
+                raise fail(errno.EIO)
+            return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
     def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
@@ -408,8 +419,8 @@ class MetaStore:
 
     def usage(self) -> Usage:
         with self.engine.snapshot() as txn:
-            return Usage(self._capacity(txn), self._counter(txn, "used_bytes"),
-                         self._counter(txn, "files"))
+            return Usage(self._capacity(txn), txn.count("counters", b"used_bytes"),
+                         txn.count("counters", b"files"))
 
     def _capacity(self, txn: Txn) -> int:
         raw = txn.get("settings", b"capacity")
@@ -462,13 +473,13 @@ class MetaStore:
             raw = txn.get("blob", u64(blob_id))
             return None if raw is None else BlobInfo.unpack(blob_id, raw)
 
-    def pending(self) -> list[tuple[int, int]]:
-        """(blob id, owner ino) of blobs whose sums are still to be taken."""
+    def pending(self, session: bytes = b"") -> list[tuple[int, int]]:
+        """(blob id, owner ino) of blobs whose sums `session` was still to take."""
         with self.engine.snapshot() as txn:
             found = []
-            for key, _ in txn.scan("pending"):
+            for key, writer in txn.scan("pending"):
                 raw = txn.get("blob", key)
-                if raw is not None:
+                if raw is not None and writer == session:
                     found.append((from_u64(key), BlobInfo.unpack(from_u64(key), raw).ino))
             return found
 
@@ -516,13 +527,12 @@ class MetaStore:
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
         now = time.time_ns()
-        ids = self._fresh_ids(2)  # the inode number and the entry's cookie
+        ino, cookie = self._fresh_ids(2)  # the inode number and the entry's cookie
 
         def change(txn: Txn) -> Inode:
             parent_inode = self._dir(txn, parent)
             if self._child(txn, parent, name) is not None:
                 raise fail(errno.EEXIST)
-            ino = next(ids)
             is_dir = stat.S_ISDIR(mode)
             owner_gid, full_mode = gid, mode
             if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
@@ -536,11 +546,11 @@ class MetaStore:
                 txn.put("symlink", u64(ino), target)
             self._index_use(txn, inode, None, now)
             self._count_model(txn, inode, name, 1, 0)
-            self._link(txn, parent, name, ino, next(ids))
+            self._link(txn, parent, name, ino, cookie)
             self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
                                    mtime_ns=now, ctime_ns=now))
             if not is_dir:
-                self._add_counter(txn, "files", 1)
+                txn.add("counters", b"files", 1)
             return inode
         return self._change(change)
 
@@ -549,7 +559,7 @@ class MetaStore:
         check_name(new_name)
         self._check_room()
         now = time.time_ns()
-        cookies = self._fresh_ids(1)
+        (cookie,) = self._fresh_ids(1)
 
         def change(txn: Txn) -> Inode:
             inode = self._get(txn, ino)
@@ -560,7 +570,7 @@ class MetaStore:
             parent_inode = self._dir(txn, new_parent)
             if self._child(txn, new_parent, new_name) is not None:
                 raise fail(errno.EEXIST)
-            self._link(txn, new_parent, new_name, ino, next(cookies))
+            self._link(txn, new_parent, new_name, ino, cookie)
             inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
             self._put(txn, inode)
             self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
@@ -603,9 +613,10 @@ class MetaStore:
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        cookies = self._fresh_ids(2)  # new entries: one, or two for an exchange
+        reserved = self._fresh_ids(2)  # new entries: one, or two for an exchange
 
         def change(txn: Txn) -> tuple[Inode, Removed | None]:
+            cookies = iter(reserved)
             self._dir(txn, old_parent)
             self._dir(txn, new_parent)
             moved = self._child(txn, old_parent, old_name)
@@ -732,10 +743,8 @@ class MetaStore:
 
     def allocate_blob_ids(self, count: int) -> range:
         """Take `count` blob ids in one transaction (writers take them in batches)."""
-        def change(txn: Txn) -> range:
-            end = self._add_counter(txn, "next_blob", count)
-            return range(end - count, end)
-        return self._change(change)
+        end = self.engine.allocate(b"next_blob", count)
+        return range(end - count, end)
 
     def commit_content(self, ino: int, blob: BlobInfo | None) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
@@ -750,8 +759,8 @@ class MetaStore:
             if blob is not None:
                 txn.put("blob", u64(blob.blob_id), blob.pack())
                 if blob.pending:
-                    txn.put("pending", u64(blob.blob_id), b"")
-                self._add_counter(txn, "used_bytes", blob.allocated)
+                    txn.put("pending", u64(blob.blob_id), self.session)
+                txn.add("counters", b"used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
             updated = replace(inode, size=size, allocated=allocated,
                               blob=blob.blob_id if blob else 0, version=inode.version + 1,
@@ -762,16 +771,19 @@ class MetaStore:
             return updated, old_blob
         return self._change(change)
 
-    def drop_files(self, inos: Iterable[int]) -> list[Removed]:
+    def drop_files(self, inos: Iterable[int], spare_held: bool = False) -> list[Removed]:
         """Remove files with every name they have (eviction, lost data), in one transaction;
-        inodes already gone are skipped."""
-        dropped = []
+        inodes already gone are skipped, and with `spare_held` (eviction) so are files whose
+        blob a host holds open."""
         now = time.time_ns()
         def change(txn: Txn) -> list[Removed]:
+            dropped = []
             for ino in inos:
                 try:
                     inode = self._get(txn, ino)
                 except FsError:
+                    continue
+                if spare_held and inode.blob and self._holders(txn, inode.blob):
                     continue
                 names = self._names(txn, ino)
                 for parent, name in names:
@@ -802,13 +814,15 @@ class MetaStore:
         self._change(change)
 
     def set_usage(self, used: int, files: int, models: dict[str, dict[str, int]]) -> None:
-        """fsck: reset the usage counters to what was counted."""
+        """fsck: reset the usage counters to what was counted (by adding the difference)."""
+        now = self.usage()
         def change(txn: Txn) -> None:
-            self._set_counter(txn, "used_bytes", used)
-            self._set_counter(txn, "files", files)
+            txn.add("counters", b"used_bytes", used - now.used)
+            txn.add("counters", b"files", files - now.files)
             txn.clear("models")
             for model, counts in models.items():
-                txn.put("models", model.encode(), _MODEL.pack(counts["files"], counts["bytes"]))
+                txn.add("models", model.encode() + MODEL_FILES, counts["files"])
+                txn.add("models", model.encode() + MODEL_BYTES, counts["bytes"])
         self._change(change)
 
     def reaped(self, blob_ids: list[int]) -> None:
@@ -820,6 +834,46 @@ class MetaStore:
             for blob_id in blob_ids:
                 txn.delete("doomed", u64(blob_id))
         self._change(change)
+
+    # -- hosts of a shared pool (kvfs/sessions.py) ----------------------------------------
+
+    def register_session(self, session: bytes, record: bytes) -> None:
+        self._change(lambda txn: txn.put("sessions", session, record))
+
+    def sessions(self) -> dict[bytes, bytes]:
+        with self.engine.snapshot() as txn:
+            return {bytes(key): bytes(value) for key, value in txn.scan("sessions")}
+
+    def end_session(self, session: bytes) -> bool:
+        """Remove a session and its holds; False if it was gone (another host claimed it)."""
+        def change(txn: Txn) -> bool:
+            if not txn.delete("sessions", session):
+                return False
+            for blob in self._suffixes(txn, "holding", session):
+                txn.discard("holding", session + blob)
+                txn.discard("held", blob + session)
+            return True
+        return self._change(change)
+
+    def hold(self, blob_id: int, session: bytes) -> None:
+        def change(txn: Txn) -> None:
+            txn.put("held", u64(blob_id) + session, b"")
+            txn.put("holding", session + u64(blob_id), b"")
+        self._change(change)
+
+    def release(self, blob_id: int, session: bytes) -> None:
+        def change(txn: Txn) -> None:
+            txn.discard("held", u64(blob_id) + session)
+            txn.discard("holding", session + u64(blob_id))
+        self._change(change)
+
+    def _holders(self, txn: Txn, blob_id: int) -> list[bytes]:
+        return self._suffixes(txn, "held", u64(blob_id)) if blob_id else []
+
+    def holders(self, blob_id: int) -> list[bytes]:
+        """Sessions that hold `blob_id` open."""
+        with self.engine.snapshot() as txn:
+            return self._holders(txn, blob_id)
 
     # -- recency and xattrs ----------------------------------------------------------------
 
@@ -850,10 +904,14 @@ class MetaStore:
         return found
 
     def models(self) -> dict[str, dict[str, int]]:
+        """Per-model usage (models that have files or bytes)."""
         with self.engine.snapshot() as txn:
-            return {bytes(key).decode(): dict(zip(("files", "bytes"), _MODEL.unpack(raw),
-                                                  strict=True))
-                    for key, raw in txn.scan("models")}
+            counts = txn.counts("models")
+        usage: dict[str, dict[str, int]] = {}
+        for key, value in counts.items():
+            model, _, kind = key.rpartition(b"\0")
+            usage.setdefault(model.decode(), {"files": 0, "bytes": 0})[kind.decode()] = value
+        return {model: used for model, used in usage.items() if used["files"] or used["bytes"]}
 
     def pinned(self) -> set[int]:
         with self.engine.snapshot() as txn:

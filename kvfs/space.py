@@ -2,11 +2,12 @@
 
 One capacity for everything written through the mount, whoever writes it. Used bytes are the
 bytes committed blobs take on the volume (kept in the metadata store; holes take none) plus
-what open write handles have staged. The effective capacity is the configured one, or less
-when the volume itself has less room.
+what open write handles have staged (in a shared pool: on every host, as last reported). The
+effective capacity is the configured one, or less when the volume itself has less room.
 
 Eviction drops least-recently-used files, with all their names. It never takes a file that is
-open, that carries the `user.kvfs.pin` attribute or has a name below a directory that does.
+open (in a shared pool: on any host), that carries the `user.kvfs.pin` attribute or has a
+name below a directory that does.
 A request that needs room first chooses its victims (in a worker thread) and evicts them only
 if they free enough: a request that cannot fit fails with ENOSPC and evicts nothing. Uses are
 recorded in memory and flushed to the metadata store every second and before each eviction.
@@ -27,6 +28,7 @@ import trio
 
 from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed
 from kvfs.records import FsError, fail
+from kvfs.sessions import Session
 from kvfs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,10 @@ KERNEL_WRITER_MIN_RESERVES = 16  # ... in pools at least this many times as larg
 
 
 class Space:
-    def __init__(self, meta: MetaStore, volume: Path, stats: Stats,
+    def __init__(self, meta: MetaStore, volume: Path, stats: Stats, session: Session,
                  is_open: Callable[[int], bool], on_evicted: Callable[[Removed], None]) -> None:
         self.meta = meta
+        self.session = session
         self.volume = volume
         self.stats = stats
         self.is_open = is_open
@@ -64,7 +67,7 @@ class Space:
     # -- accounting ----------------------------------------------------------------------
 
     def used(self) -> int:
-        return self.meta.usage().used + self.inflight
+        return self.meta.usage().used + self.inflight + self.session.others_staged
 
     def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
@@ -130,7 +133,8 @@ class Space:
                 if not enough and not partial:
                     return False
                 spared = [ino for ino in victims if not self.is_open(ino)]  # opened meanwhile
-                for removed in await trio.to_thread.run_sync(self.meta.drop_files, spared):
+                for removed in await trio.to_thread.run_sync(self.meta.drop_files, spared,
+                                                             self.session.shared):
                     self.stats.evictions += 1
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
                               removed.inode.ino, removed.inode.allocated)
@@ -161,6 +165,8 @@ class Space:
     def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
         if self.is_open(inode.ino) or inode.ino in pinned:
             return False
+        if self.session.shared and self.meta.holders(inode.blob):
+            return False  # open on another host
         parents = [inode.parent] if inode.nlink <= 1 else [
             parent for parent, _ in self.meta.names(inode.ino)]
         for ino in parents:

@@ -25,6 +25,8 @@ class Stats:
     volume_errors: int = 0  # errors of the volume underneath (EIO, ...) met by requests
     readahead_errors: int = 0  # readahead runs that failed (their readers retried)
     background_errors: int = 0  # failed rounds of eviction, recency flushes, data deletion
+    sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
+    sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

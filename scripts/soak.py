@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfs.meta import MetaStore, recount
+from kvfs.meta import recount
+from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -580,7 +581,7 @@ class Soak:
         """(used bytes, files, per-model usage) as .kvfs/stats shows them, and as a recount of
         the metadata (read-only, beside the daemon) says."""
         stats = json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
-        meta = MetaStore(self.data / "meta", readonly=True)
+        meta = Volume(self.data).open_metadata(readonly=True)
         try:
             counted = recount(meta)
         finally:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.meta import MetaStore, recount
+from kvfs.meta import recount
+from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_SCRIPT = REPO / "mount_kvfs.py"
@@ -62,9 +63,10 @@ def stats(mountpoint: Path) -> dict:
 
 def counters_and_recount(mountpoint: Path, data: Path) -> tuple[tuple, tuple]:
     """The live mount's usage counters and what a recount of its metadata says (read from
-    the LMDB environment the daemon serves, read-only): they must always be equal."""
+    the metadata the daemon serves, read-only): they must always be equal."""
     shown = stats(mountpoint)
-    meta = MetaStore(data / "meta", readonly=True)
+    volume = Volume(data)
+    meta = volume.open_metadata(volume.shared_url(), readonly=True)
     try:
         used, files, models = recount(meta)
     finally:

@@ -1,0 +1,337 @@
+"""The shared metadata engine: Redis, for a pool that several hosts mount at once.
+
+The same families of ordered byte keys as the embedded engine (kvfs/engine.py), laid out so
+that hosts rarely contend (JuiceFS on Redis is the model). Keys, all under one hash tag
+(`{kvfs}`, so that a Redis Cluster keeps them on one node):
+
+    {kvfs}:<family>:<key>              a record (string)
+    {kvfs}:<family>/<partition>        sorted set of the keys of one partition, for scans:
+                                       dirlist, links, xattr, held, holding: one set per
+                                       inode, blob or session (the keys' first 8 bytes, in
+                                       hex); recency: 16 sets by key hash; pins, doomed,
+                                       pending, sessions: one set each
+    {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
+    {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
+
+Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
+Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
+with SCAN.
+
+A change is one optimistic transaction: the change runs against a write buffer, WATCHing
+every record and partition it reads; MULTI/EXEC then applies its writes, and a conflict (a
+watched key changed meanwhile) runs it again. Counters are added with HINCRBY inside the
+MULTI and read by nobody inside a change, so that the hot counters (used bytes, files,
+per-model usage) never make two changes conflict. Id stocks are taken with HINCRBY.
+
+When Redis cannot be reached, each call fails with EIO within about a second (and fails at
+once for the next half second); the pool of connections reconnects when Redis is back.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from kvfs.records import fail
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PREFIX = b"{kvfs}:"
+PARTITIONED = frozenset({"dirlist", "links", "xattr", "held", "holding"})  # by 8-byte prefix
+INDEXED = {"recency": 16, "pins": 1, "doomed": 1, "pending": 1, "sessions": 1}  # -> set count
+COUNTERS = frozenset({"counters", "models"})
+PAGE = 512
+CHANGE_ATTEMPTS = 64
+CONNECT_TIMEOUT = 1.0
+REQUEST_TIMEOUT = 5.0
+DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
+ROOM_CHECK_SECONDS = 1.0
+ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
+
+
+def _record_key(family: str, key: bytes) -> bytes:
+    return PREFIX + family.encode() + b":" + key
+
+
+def _set_key(family: str, key: bytes) -> bytes | None:
+    """The sorted set that indexes `key` of `family`, if the family has sets."""
+    if family in PARTITIONED:
+        return PREFIX + family.encode() + b"/" + key[:8].hex().encode()
+    shards = INDEXED.get(family)
+    if shards is None:
+        return None
+    shard = zlib.crc32(key) % shards if shards > 1 else 0
+    return PREFIX + family.encode() + b"/" + str(shard).encode()
+
+
+def _set_keys(family: str, start: bytes) -> list[bytes]:
+    """The sets a scan of `family` from `start` walks."""
+    if family in PARTITIONED:
+        return [_set_key(family, start.ljust(8, b"\0"))]
+    return [PREFIX + family.encode() + b"/" + str(shard).encode()
+            for shard in range(INDEXED[family])]
+
+
+def _counter_key(family: str) -> bytes:
+    return PREFIX + family.encode()
+
+
+class _Reader:
+    """Reads straight from Redis: what a snapshot is for this engine (no isolation; the
+    metadata store rereads where two records must agree)."""
+
+    def __init__(self, engine: RedisEngine) -> None:
+        self.engine = engine
+        self.client = engine.client
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def get(self, family: str, key: bytes) -> bytes | None:
+        return self.engine.call(self.client.get, _record_key(family, key))
+
+    def count(self, family: str, key: bytes) -> int:
+        raw = self.engine.call(self.client.hget, _counter_key(family), key)
+        return int(raw) if raw is not None else 0
+
+    def counts(self, family: str) -> dict[bytes, int]:
+        raw = self.engine.call(self.client.hgetall, _counter_key(family))
+        return {key: int(value) for key, value in sorted(raw.items())}
+
+    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        yield from self.engine.scan_stored(self.client, family, start)
+
+    def put(self, family: str, key: bytes, value: bytes) -> None:
+        raise TypeError("snapshots are read-only")
+
+    delete = pop = clear = add = discard = put
+
+
+class _Change:
+    """A transaction: reads WATCH what they read, writes wait in a buffer until EXEC."""
+
+    def __init__(self, engine: RedisEngine, pipe: redis.client.Pipeline) -> None:
+        self.engine = engine
+        self.pipe = pipe
+        self.writes: dict[tuple[str, bytes], bytes | None] = {}
+        self.adds: list[tuple[str, bytes, int]] = []
+        self.cleared: set[str] = set()
+        self.watched: set[bytes] = set()
+
+    def _watch(self, key: bytes) -> None:
+        if key not in self.watched:
+            self.watched.add(key)
+            self.pipe.watch(key)
+
+    def get(self, family: str, key: bytes) -> bytes | None:
+        if (family, key) in self.writes:
+            return self.writes[family, key]
+        if family in self.cleared:
+            return None
+        record = _record_key(family, key)
+        self._watch(record)
+        return self.pipe.get(record)
+
+    def put(self, family: str, key: bytes, value: bytes) -> None:
+        self.writes[family, bytes(key)] = bytes(value)
+
+    def delete(self, family: str, key: bytes) -> bool:
+        return self.pop(family, key) is not None
+
+    def pop(self, family: str, key: bytes) -> bytes | None:
+        value = self.get(family, key)
+        self.writes[family, bytes(key)] = None
+        return value
+
+    def discard(self, family: str, key: bytes) -> None:
+        self.writes[family, bytes(key)] = None
+
+    def count(self, family: str, key: bytes) -> int:
+        raise TypeError("counters are added to, not read, inside a change")
+
+    def add(self, family: str, key: bytes, delta: int) -> None:
+        self.adds.append((family, bytes(key), delta))
+
+    def clear(self, family: str) -> None:
+        for key, _ in list(self.scan(family)):
+            self.writes[family, key] = None
+        if family in COUNTERS:
+            self.cleared.add(family)
+
+    def counts(self, family: str) -> dict[bytes, int]:
+        raise TypeError("counters are added to, not read, inside a change")
+
+    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        if family in PARTITIONED or family in INDEXED:
+            for set_key in _set_keys(family, start):
+                self._watch(set_key)
+            stored = self.engine.scan_stored(self.pipe, family, start)
+        else:
+            stored = self.engine.scan_stored(self.engine.client, family, start)
+        buffered = sorted((key, value) for (f, key), value in self.writes.items()
+                          if f == family and key >= start)
+        last = None
+        for key, _, value in heapq.merge(((k, 1, v) for k, v in stored),
+                                         ((k, 0, v) for k, v in buffered)):
+            if key == last:
+                continue  # this change's own write of the key came first
+            last = key
+            if value is not None:
+                yield key, value
+
+    def commit(self) -> None:
+        pipe = self.pipe
+        pipe.multi()
+        for family in self.cleared:
+            pipe.delete(_counter_key(family))
+        for (family, key), value in self.writes.items():
+            set_key = _set_key(family, key)
+            if family in COUNTERS:
+                if value is None:
+                    pipe.hdel(_counter_key(family), key)
+                continue
+            if value is None:
+                pipe.delete(_record_key(family, key))
+                if set_key is not None:
+                    pipe.zrem(set_key, key)
+            else:
+                pipe.set(_record_key(family, key), value)
+                if set_key is not None:
+                    pipe.zadd(set_key, {key: 0})
+        for family, key, delta in self.adds:
+            pipe.hincrby(_counter_key(family), key, delta)
+        pipe.execute()
+
+
+class RedisEngine:
+    """Metadata in a Redis server that every host of the pool reaches (see above)."""
+
+    shared = True
+
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "redis" or not parsed.hostname:
+            raise ValueError(f"not a redis://HOST:PORT/DB address: {url}")
+        self.url = url
+        self.client = redis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=REQUEST_TIMEOUT,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
+        self._down_until = 0.0
+        self._room = (0.0, True)
+        self._lock = threading.Lock()
+        self.call(self.client.ping)
+
+    # -- errors --------------------------------------------------------------------------
+
+    def call(self, method: Callable[..., T], *args: object) -> T:
+        """One request; EIO (logged once per outage) when Redis cannot be reached."""
+        if time.monotonic() < self._down_until:
+            raise fail(errno.EIO)
+        try:
+            return method(*args)
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            self._went_down(error)
+            raise fail(errno.EIO) from None
+
+    def _went_down(self, error: Exception) -> None:
+        with self._lock:
+            if not self._down_until:
+                log.error("metadata engine %s unreachable: %s", self.url, error)
+            self._down_until = time.monotonic() + DOWN_SECONDS
+
+    # -- the Engine interface ------------------------------------------------------------
+
+    def snapshot(self) -> _Reader:
+        return _Reader(self)
+
+    def change(self, change: Callable[[_Change], T]) -> T:
+        for _ in range(CHANGE_ATTEMPTS):
+            with self.client.pipeline(transaction=True) as pipe:
+                txn = _Change(self, pipe)
+                try:
+                    result = self.call(change, txn)
+                    self.call(txn.commit)
+                except redis.WatchError:
+                    continue  # another host changed what this change read: run it again
+                self._down_until = 0.0
+                return result
+        log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
+        raise fail(errno.EAGAIN)
+
+    def allocate(self, key: bytes, count: int) -> int:
+        """Add `count` to the counter `key`; returns its new value."""
+        return self.call(self.client.hincrby, _counter_key("counters"), key, count)
+
+    def has_room(self) -> bool:
+        """Below Redis's maxmemory (if it has one), with room left for removals."""
+        checked, room = self._room
+        if time.monotonic() - checked > ROOM_CHECK_SECONDS:
+            memory = self.call(self.client.info, "memory")
+            limit = memory.get("maxmemory", 0)
+            room = not limit or memory["used_memory"] < ROOM_SHARE * limit
+            self._room = (time.monotonic(), room)
+        return room
+
+    def sync(self) -> None:
+        """Redis persists by its own settings (the README says which kvfs needs)."""
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def beat(self, session: bytes, ttl: float) -> None:
+        self.call(self.client.set, PREFIX + b"beat:" + session, b"1", None,
+                  int(ttl * 1000))
+
+    def alive(self, session: bytes) -> bool:
+        return bool(self.call(self.client.exists, PREFIX + b"beat:" + session))
+
+    # -- scans ---------------------------------------------------------------------------
+
+    def scan_stored(self, conn: redis.Redis | redis.client.Pipeline, family: str,
+                    start: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """What Redis holds of `family` from `start`, in key order (for a partitioned
+        family: up to the end of start's partition)."""
+        if family in PARTITIONED or family in INDEXED:
+            streams = [self._walk_set(conn, set_key, family, start)
+                       for set_key in _set_keys(family, start)]
+            yield from streams[0] if len(streams) == 1 else heapq.merge(*streams)
+            return
+        keys = sorted(key[len(_record_key(family, b"")):] for key in self.call(
+            lambda: list(self.client.scan_iter(match=_record_key(family, b"*"), count=1000))))
+        keys = [key for key in keys if key >= start]
+        for first in range(0, len(keys), PAGE):
+            page = keys[first:first + PAGE]
+            values = self.call(self.client.mget, [_record_key(family, k) for k in page])
+            yield from ((k, v) for k, v in zip(page, values, strict=True) if v is not None)
+
+    def _walk_set(self, conn: redis.Redis | redis.client.Pipeline, set_key: bytes,
+                  family: str, start: bytes) -> Iterator[tuple[bytes, bytes]]:
+        low = b"[" + start
+        while True:
+            keys = self.call(conn.zrangebylex, set_key, low, b"+", 0, PAGE)
+            if not keys:
+                return
+            values = self.call(conn.mget, [_record_key(family, key) for key in keys])
+            for key, value in zip(keys, values, strict=True):
+                if value is not None:
+                    yield key, value
+            if len(keys) < PAGE:
+                return
+            low = b"(" + keys[-1]

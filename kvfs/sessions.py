@@ -1,0 +1,180 @@
+"""A mount's life in a shared pool: its session, heartbeat, held blobs, and the clean-up after
+hosts that died.
+
+On the embedded engine one host owns the volume (its lock says so) and none of this is needed:
+the session is local, holds nothing remotely and reaps nobody. On a shared engine
+(kvfs/redis_engine.py) every mount is a session with an id of its own:
+
+- Its staged data lives in `staging/<session>/`, which only it (or whoever reaps it) deletes.
+- It renews a heartbeat every TTL/4. A session not seen beating in two checks at least TTL
+  apart, while this host's own heartbeats went through, is dead (a Redis restart or stall
+  therefore kills nobody). One live host claims it (an atomic removal of its record) and
+  cleans up after it: its staged blobs are published (committed) or deleted (not), the files
+  it wrote whose checksums were still pending are hashed if it ran on this machine's boot and
+  dropped otherwise (their bytes may never have reached the volume), and its holds go.
+- It holds, in the engine, every blob it has open (`held` records): eviction spares a file
+  whose blob any host holds, and a replaced or removed blob's data file is deleted (the
+  doomed sweep, every second, on every host) only once no host holds it and no host is still
+  publishing it.
+- It publishes how many bytes its writers have staged, so that every host counts everyone's
+  staged bytes against the pool's capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from kvfs.data import DataStore
+from kvfs.meta import MetaStore, u64
+from kvfs.passthrough import boot_id
+from kvfs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10.0
+SWEEP_SECONDS = 1.0
+
+
+def new_session_id(meta: MetaStore) -> bytes:
+    """A fresh id for this mount in a shared pool (b"" on one host); the metadata store
+    marks what it records for the session with it."""
+    meta.session = u64(meta.engine.allocate(b"next_session", 1)) if meta.engine.shared else b""
+    return meta.session
+
+
+class Session:
+    def __init__(self, meta: MetaStore, data: DataStore, stats: Stats, mountpoint: Path,
+                 ttl: float = DEFAULT_TTL) -> None:
+        self.meta = meta
+        self.data = data
+        self.stats = stats
+        self.ttl = ttl
+        self.shared = meta.engine.shared
+        self.id = meta.session
+        self.others_staged = 0  # bytes other hosts' writers have staged (last heard)
+        self._held: Counter[int] = Counter()
+        self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
+        self._beat_ok = time.monotonic()
+        self._record = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
+                        "mountpoint": str(mountpoint), "staged": 0}
+        if self.shared:
+            meta.engine.beat(self.id, ttl)
+            meta.register_session(self.id, json.dumps(self._record).encode())
+
+    # -- holds ---------------------------------------------------------------------------
+
+    def hold(self, blob_id: int) -> None:
+        """This host has `blob_id` open (before it opens the data file)."""
+        if self.shared and not self._held[blob_id]:
+            self.meta.hold(blob_id, self.id)
+        self._held[blob_id] += 1
+
+    def release(self, blob_id: int) -> None:
+        self._held[blob_id] -= 1
+        if self._held[blob_id] <= 0:
+            del self._held[blob_id]
+            if self.shared:
+                self.meta.release(blob_id, self.id)
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    async def run(self, staged: Callable[[], int], want_sums: Callable[[int], None]) -> None:
+        """Heartbeat, staged-bytes report and the reaping of dead sessions (shared only)."""
+        if not self.shared:
+            return
+        while True:
+            try:
+                await trio.to_thread.run_sync(self._beat, staged())
+                for blob_id in await trio.to_thread.run_sync(self._reap_dead):
+                    want_sums(blob_id)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("session upkeep failed")
+            await trio.sleep(self.ttl / 4)
+
+    def _beat(self, staged: int) -> None:
+        self.meta.engine.beat(self.id, self.ttl)
+        self._beat_ok = time.monotonic()
+        sessions = self.meta.sessions()
+        if self.id not in sessions:
+            log.error("session %s was declared dead by another host (stalled for more than "
+                      "%.0f s?): registering again", self.id.hex(), self.ttl)
+            self.stats.sessions_lost += 1
+        self._record["staged"] = staged
+        self.meta.register_session(self.id, json.dumps(self._record).encode())
+        self.others_staged = sum(json.loads(raw).get("staged", 0)
+                                 for session, raw in sessions.items() if session != self.id)
+
+    def _reap_dead(self) -> list[int]:
+        """Claim and clean up after sessions seen dead long enough; returns pending blobs
+        this host should now take the sums of."""
+        now = time.monotonic()
+        wanted: list[int] = []
+        for session, raw in self.meta.sessions().items():
+            if session == self.id or self.meta.engine.alive(session):
+                self._seen_dead.pop(session, None)
+                continue
+            first = self._seen_dead.setdefault(session, now)
+            if now - first < self.ttl or now - self._beat_ok > self.ttl / 2:
+                continue
+            record = json.loads(raw)
+            if not self.meta.end_session(session):
+                continue  # another host claimed it first
+            self._seen_dead.pop(session, None)
+            wanted += self.clean_up_after(session, record)
+        return wanted
+
+    def clean_up_after(self, session: bytes, record: dict) -> list[int]:
+        directory = self.data.staging_root / session.hex()
+        published, discarded = (self.data.recover(self.meta.is_committed_blob, directory)
+                                if directory.is_dir() else (0, 0))
+        pending = self.meta.pending(session)
+        same_boot = record.get("boot") == boot_id()
+        if pending and not same_boot:
+            self.meta.drop_files({ino for _, ino in pending})
+        with_sums = [blob_id for blob_id, _ in pending] if same_boot else []
+        if directory.is_dir():
+            directory.rmdir()
+        self.stats.sessions_reaped += 1
+        log.warning("host %s (pid %s, session %s) stopped: %d staged blobs published, %d "
+                    "discarded, %d files with pending sums %s", record.get("host"),
+                    record.get("pid"), session.hex(), published, discarded, len(pending),
+                    "to hash" if same_boot else "dropped (another boot)")
+        return with_sums
+
+    # -- the doomed sweep ----------------------------------------------------------------
+
+    async def sweep_doomed(self) -> None:
+        """Delete the data files of doomed blobs no host holds or publishes (shared only:
+        on one host the file table's reaper does this as blobs are freed)."""
+        if not self.shared:
+            return
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.reap_doomed)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("deleting doomed data files failed; the next sweep retries")
+            await trio.sleep(SWEEP_SECONDS)
+
+    def reap_doomed(self) -> int:
+        reaped = [blob_id for blob_id in self.meta.doomed()
+                  if not self.meta.holders(blob_id) and not self.data.staged_anywhere(blob_id)]
+        for blob_id in reaped:
+            self.data.remove(blob_id)
+        self.meta.reaped(reaped)
+        return len(reaped)
+
+    def end(self) -> None:
+        """A clean unmount: nothing held, nothing staged; the record goes."""
+        if self.shared:
+            self.meta.end_session(self.id)
