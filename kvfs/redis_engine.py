@@ -243,16 +243,25 @@ class RedisEngine:
         if time.monotonic() < self._down_until:
             raise fail(errno.EIO)
         try:
-            return method(*args)
+            result = method(*args)
         except (redis.ConnectionError, redis.TimeoutError) as error:
             self._went_down(error)
             raise fail(errno.EIO) from None
+        if self._down_until:
+            self._came_back()
+        return result
 
     def _went_down(self, error: Exception) -> None:
         with self._lock:
             if not self._down_until:
                 log.error("metadata engine %s unreachable: %s", self.url, error)
             self._down_until = time.monotonic() + DOWN_SECONDS
+
+    def _came_back(self) -> None:
+        with self._lock:
+            if self._down_until:
+                log.warning("metadata engine %s reachable again", self.url)
+            self._down_until = 0.0
 
     # -- the Engine interface ------------------------------------------------------------
 
@@ -268,7 +277,6 @@ class RedisEngine:
                     self.call(txn.commit)
                 except redis.WatchError:
                     continue  # another host changed what this change read: run it again
-                self._down_until = 0.0
                 return result
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.local_redis import LocalRedis
 from kvfs.meta import recount
 from kvfs.volume import Volume
 
@@ -35,8 +36,11 @@ def is_mounted(mountpoint: Path) -> bool:
                for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
-def daemon_pid(data: Path) -> int:
-    return int((data / "kvfs.lock").read_text().strip())
+def daemon_pid(data: Path, mountpoint: Path | None = None) -> int:
+    """The daemon serving `data` (in a shared pool: the one at `mountpoint`)."""
+    if mountpoint is None:
+        return int((data / "kvfs.lock").read_text().strip())
+    return Volume(data).daemon_pid(mountpoint.resolve())
 
 
 def pid_alive(pid: int) -> bool:
@@ -121,7 +125,7 @@ class KvfsMount:
     def mount(self, *extra: str) -> None:
         result = run_mount(self.mountpoint, self.data, *self.options, *extra)
         assert result.returncode == 0, result.stderr
-        self.pid = daemon_pid(self.data)
+        self.pid = daemon_pid(self.data, self.mountpoint)
 
     def unmount(self) -> None:
         if is_mounted(self.mountpoint):
@@ -181,6 +185,27 @@ def make_mount(tmp_path: Path) -> Iterator:
     yield factory
     for kvfs in mounts:
         kvfs.cleanup()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A redis-server of the test's own (AOF on, a free port), stopped at teardown."""
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+SESSION_TTL = "1"  # seconds: dead hosts are cleaned up after within a few
+
+
+@pytest.fixture
+def shared_pool(make_mount, redis_server: LocalRedis, tmp_path: Path) -> Callable[..., list]:
+    """Factory: shared_pool(hosts, *options) mounts `hosts` kvfs daemons ("hosts") over one
+    data directory and the test's Redis; all are unmounted at teardown."""
+    def factory(hosts: int, *options: str) -> list[KvfsMount]:
+        return [make_mount("--meta", redis_server.url, "--session-ttl", SESSION_TTL, *options,
+                           data=tmp_path / "pool") for _ in range(hosts)]
+    return factory
 
 
 @pytest.fixture
