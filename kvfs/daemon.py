@@ -107,10 +107,8 @@ class Daemon:
         elif not self.meta.capacity():
             self.meta.set_capacity(shutil.disk_usage(config.data).free)
         self.stats = Stats()
-        self.session = Session(self.meta, self.data, self.stats, config.mountpoint,
-                               config.session_ttl)
-        if self.shared:
-            self.volume.record_mount(session_id, config.mountpoint)
+        self.session = Session(self.volume, self.meta, self.data, self.stats,
+                               config.mountpoint, config.session_ttl)
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, self.session,
                            is_open=self._is_open, on_evicted=self._evicted)
@@ -190,31 +188,31 @@ class Daemon:
     def close(self) -> None:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
-        self.meta.touch(self.space.take_uses())
-        self.files.hasher.settle_remaining()
-        self.files.reap_remaining()
+        try:
+            self.meta.touch(self.space.take_uses())
+            self.files.hasher.settle_remaining()
+            self.files.reap_remaining()
+            if self.shared:
+                self._leave_pool()
+        except FsError as error:  # a shared engine out of reach: others finish the work
+            log.error("unmounted without finishing (%s): recovery, or another host, "
+                      "completes it", error)
         try:
             self.files.verifier.save(self.volume.verified_path(self.shared))
         except OSError as error:
             log.warning("verification marks not kept: %s", error)
-        if self.shared:
-            self._leave_pool()
         self.meta.engine.sync()
         self.meta.close()
         log.info("unmounted %s", self.config.mountpoint)
-
 
     def _leave_pool(self) -> None:
         """A clean unmount of a shared pool: what this host doomed and nobody holds goes
         now, its session record and staging directory go (others need not clean up)."""
         try:
-            self.session.reap_doomed()
             self.session.end()
-            self.data.staging_dir.rmdir()
         except (OSError, FsError) as error:
             log.warning("leaving the pool: %s (another host cleans up after this session)",
                         error)
-        self.volume.forget_mount(self.meta.session)
 
 
 def run(config: MountConfig) -> None:

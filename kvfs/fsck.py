@@ -75,11 +75,14 @@ class Checker:
         self.console.print(f"  problem: {message}")
 
     def check(self, repair: bool) -> int:
-        staged = [path for path in self.data.staging_root.rglob("*") if path.is_file()]
-        leftovers = len(staged) + len(self.meta.doomed()) + len(self.meta.sessions())
-        if leftovers:
-            self.report(f"{leftovers} staged or unlinked data files or host sessions left by "
-                        f"a crash")
+        leftovers = {
+            "staged data files": sum(path.is_file() for path in self.data.staging_root.rglob("*")),
+            "data files of removed files": len(self.meta.doomed()),
+            "host sessions": len(self.meta.sessions()),
+        }
+        if any(leftovers.values()):
+            self.report("left by a crash: " + ", ".join(
+                f"{count} {what}" for what, count in leftovers.items() if count))
             if repair:
                 Volume.recover(self.meta, self.data)
         inodes = {inode.ino: inode for inode in self.meta.inodes()}

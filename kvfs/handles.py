@@ -302,7 +302,11 @@ class FileTable:
             self.session.hold(blob.blob_id)
             if not self.session.shared:
                 break
-            again, again_blob = await self._content(inode.ino)
+            try:
+                again, again_blob = await self._content(inode.ino)
+            except BaseException:
+                self.session.release(blob.blob_id)  # removed meanwhile, by another host
+                raise
             if again_blob is not None and again_blob.blob_id == blob.blob_id:
                 return again, again_blob
             self.session.release(blob.blob_id)
@@ -482,7 +486,8 @@ class FileTable:
         self.cache.drop_blob(blob_id)
         self.verifier.forget(blob_id)
         if self.session.shared:
-            return  # the session's doomed sweep deletes it once no host holds it
+            self.session.want_sweep()  # which deletes it once no host holds it
+            return
         if blob_id in self._publishing:
             self._doomed_when_published.add(blob_id)
             return
@@ -657,12 +662,15 @@ class FileTable:
             return True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
-        # Marked before the commit: another writer's commit may replace it at once.
+        # Marked and held before the commit: another writer's commit (on any host) may
+        # replace it at once, and this handle goes on reading it.
         self._publishing.add(staged.blob_id)
+        self.session.hold(staged.blob_id)
         try:
             blob, inode, old_blob = await trio.to_thread.run_sync(
                 self._finish_and_commit, handle.ino, staged, handle.backing)
         except BaseException as error:
+            self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
             if not isinstance(error, FsError) or error.errno != errno.ENOENT:
                 raise
@@ -677,7 +685,6 @@ class FileTable:
         old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
         if old_fd is not None:
             os.close(old_fd)
-        self.session.hold(blob.blob_id)
         if handle.blob is not None:
             self.session.release(handle.blob.blob_id)
         handle.blob, handle.version = blob, inode.version

@@ -19,9 +19,13 @@ with SCAN.
 
 A change is one optimistic transaction: the change runs against a write buffer, WATCHing
 every record and partition it reads; MULTI/EXEC then applies its writes, and a conflict (a
-watched key changed meanwhile) runs it again. Counters are added with HINCRBY inside the
-MULTI and read by nobody inside a change, so that the hot counters (used bytes, files,
-per-model usage) never make two changes conflict. Id stocks are taken with HINCRBY.
+watched key changed meanwhile) runs it again, after a short random wait. A change that fails
+(ENOENT, or a record that contradicts another) fails only if what it read is still current:
+its reads are not one snapshot, so it may have seen half of another host's change.
+
+Counters are added with HINCRBY inside the MULTI and read by nobody inside a change, so that
+the hot counters (used bytes, files, per-model usage) never make two changes conflict. Id
+stocks are taken with HINCRBY.
 
 When Redis cannot be reached, each call fails with EIO within about a second (and fails at
 once for the next half second); the pool of connections reconnects when Redis is back.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
+import random
 import threading
 import time
 import zlib
@@ -54,6 +59,8 @@ INDEXED = {"recency": 16, "pins": 1, "doomed": 1, "pending": 1, "sessions": 1}  
 COUNTERS = frozenset({"counters", "models"})
 PAGE = 512
 CHANGE_ATTEMPTS = 64
+BACKOFF_BASE = 0.0005  # seconds before a conflicted change runs again, doubling ...
+BACKOFF_MAX = 0.05  # ... up to this (randomized: hosts that collided spread out)
 CONNECT_TIMEOUT = 1.0
 REQUEST_TIMEOUT = 5.0
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
@@ -269,17 +276,36 @@ class RedisEngine:
         return _Reader(self)
 
     def change(self, change: Callable[[_Change], T]) -> T:
-        for _ in range(CHANGE_ATTEMPTS):
+        for attempt in range(CHANGE_ATTEMPTS):
             with self.client.pipeline(transaction=True) as pipe:
                 txn = _Change(self, pipe)
                 try:
                     result = self.call(change, txn)
                     self.call(txn.commit)
+                    return result
                 except redis.WatchError:
-                    continue  # another host changed what this change read: run it again
-                return result
+                    pass  # another host changed what this change read: run it again
+                except Exception:
+                    # Reads are not one snapshot: what the change saw may have been half of
+                    # another host's change. Only an error drawn from an unchanged view
+                    # is the change's answer.
+                    if self._down_until or self.call(self._still_valid, txn):
+                        raise
+            time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)))
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)
+
+    @staticmethod
+    def _still_valid(txn: _Change) -> bool:
+        """Whether nothing the change read has changed since (an empty MULTI/EXEC)."""
+        if not txn.watched:
+            return True
+        txn.pipe.multi()
+        try:
+            txn.pipe.execute()
+        except redis.WatchError:
+            return False
+        return True
 
     def allocate(self, key: bytes, count: int) -> int:
         """Add `count` to the counter `key`; returns its new value."""

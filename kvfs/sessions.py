@@ -37,6 +37,7 @@ from kvfs.data import DataStore
 from kvfs.meta import MetaStore, u64
 from kvfs.passthrough import boot_id
 from kvfs.stats import Stats
+from kvfs.volume import Volume
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ def new_session_id(meta: MetaStore) -> bytes:
 
 
 class Session:
-    def __init__(self, meta: MetaStore, data: DataStore, stats: Stats, mountpoint: Path,
-                 ttl: float = DEFAULT_TTL) -> None:
+    def __init__(self, volume: Volume, meta: MetaStore, data: DataStore, stats: Stats,
+                 mountpoint: Path, ttl: float = DEFAULT_TTL) -> None:
+        self.volume = volume
         self.meta = meta
         self.data = data
         self.stats = stats
@@ -64,11 +66,13 @@ class Session:
         self._held: Counter[int] = Counter()
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
         self._beat_ok = time.monotonic()
+        self._sweep_wanted = trio.Event()
         self._record = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
                         "mountpoint": str(mountpoint), "staged": 0}
         if self.shared:
             meta.engine.beat(self.id, ttl)
             meta.register_session(self.id, json.dumps(self._record).encode())
+            volume.record_mount(self.id, mountpoint)
 
     # -- holds ---------------------------------------------------------------------------
 
@@ -77,11 +81,13 @@ class Session:
         if self.shared and not self._held[blob_id]:
             self.meta.hold(blob_id, self.id)
         self._held[blob_id] += 1
+        self.stats.blobs_held = len(self._held)
 
     def release(self, blob_id: int) -> None:
         self._held[blob_id] -= 1
         if self._held[blob_id] <= 0:
             del self._held[blob_id]
+            self.stats.blobs_held = len(self._held)
             if self.shared:
                 self.meta.release(blob_id, self.id)
 
@@ -144,6 +150,7 @@ class Session:
         with_sums = [blob_id for blob_id, _ in pending] if same_boot else []
         if directory.is_dir():
             directory.rmdir()
+        self.volume.forget_mount(session)
         self.stats.sessions_reaped += 1
         log.warning("host %s (pid %s, session %s) stopped: %d staged blobs published, %d "
                     "discarded, %d files with pending sums %s", record.get("host"),
@@ -153,18 +160,24 @@ class Session:
 
     # -- the doomed sweep ----------------------------------------------------------------
 
+    def want_sweep(self) -> None:
+        """This host doomed a blob: sweep now rather than at the next tick."""
+        self._sweep_wanted.set()
+
     async def sweep_doomed(self) -> None:
         """Delete the data files of doomed blobs no host holds or publishes (shared only:
         on one host the file table's reaper does this as blobs are freed)."""
         if not self.shared:
             return
         while True:
+            with trio.move_on_after(SWEEP_SECONDS):
+                await self._sweep_wanted.wait()
+            self._sweep_wanted = trio.Event()
             try:
                 await trio.to_thread.run_sync(self.reap_doomed)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("deleting doomed data files failed; the next sweep retries")
-            await trio.sleep(SWEEP_SECONDS)
 
     def reap_doomed(self) -> int:
         reaped = [blob_id for blob_id in self.meta.doomed()
@@ -175,6 +188,15 @@ class Session:
         return len(reaped)
 
     def end(self) -> None:
-        """A clean unmount: nothing held, nothing staged; the record goes."""
-        if self.shared:
-            self.meta.end_session(self.id)
+        """A clean unmount: its staging directory goes (what a failed publish left there is
+        published), then the session's record and holds, then what is doomed and held by
+        nobody else."""
+        if not self.shared:
+            return
+        if self._held:
+            log.warning("%d blobs still held at unmount (released now)", len(self._held))
+        self.data.recover(self.meta.is_committed_blob)
+        self.data.staging_dir.rmdir()
+        self.meta.end_session(self.id)
+        self.volume.forget_mount(self.id)
+        self.reap_doomed()

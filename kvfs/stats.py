@@ -27,6 +27,7 @@ class Stats:
     background_errors: int = 0  # failed rounds of eviction, recency flushes, data deletion
     sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
     sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
+    blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from lmcache_engines import Engines
 
 from kvfs.local_redis import LocalRedis
 from kvfs.meta import recount
@@ -199,13 +200,21 @@ SESSION_TTL = "1"  # seconds: dead hosts are cleaned up after within a few
 
 
 @pytest.fixture
-def shared_pool(make_mount, redis_server: LocalRedis, tmp_path: Path) -> Callable[..., list]:
+def shared_pool(redis_server: LocalRedis, make_mount, tmp_path: Path) -> Callable[..., list]:
     """Factory: shared_pool(hosts, *options) mounts `hosts` kvfs daemons ("hosts") over one
-    data directory and the test's Redis; all are unmounted at teardown."""
+    data directory and the test's Redis; all are unmounted at teardown (before Redis stops:
+    this fixture asks for redis_server first)."""
     def factory(hosts: int, *options: str) -> list[KvfsMount]:
         return [make_mount("--meta", redis_server.url, "--session-ttl", SESSION_TTL, *options,
                            data=tmp_path / "pool") for _ in range(hosts)]
     return factory
+
+
+@pytest.fixture
+def engines() -> Iterator[Engines]:
+    started = Engines()
+    yield started
+    started.cleanup()
 
 
 @pytest.fixture

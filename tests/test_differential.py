@@ -89,6 +89,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvfs.local_redis import LocalRedis
+
 KiB = 1 << 10
 MiB = 1 << 20
 TiB = 1 << 40
@@ -850,7 +852,8 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
                      for relative, entry in tree(self.ours, plain=False).items()
                      if entry[0] == "file"}
             assert used == sum(taken.values())
-            assert list((self.mount.data / "staging").iterdir()) == []
+            assert [path for path in (self.mount.data / "staging").rglob("*")
+                    if not path.is_dir()] == []
         finally:
             clear(self.ours)
             clear(self.theirs)
@@ -873,29 +876,31 @@ class Roots:
     plain: Path
 
 
-@pytest.fixture(scope="module", params=["1G", "8G"], ids=["daemon-writes", "kernel-writes"])
+@pytest.fixture(scope="module", params=["1G", "8G", "redis"],
+                ids=["daemon-writes", "kernel-writes", "redis-metadata"])
 def roots(request: pytest.FixtureRequest) -> Iterator[Roots]:
     """A kvfs mount (--allow-other) and a plain directory, both in a 0755 directory under
     /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them. Pools
     under 4 GiB have kvfs serve every write; larger ones let the kernel write new and
-    truncated files (passthrough, where available)."""
+    truncated files (passthrough, where available). `redis`: a 1 GiB pool whose metadata is
+    in a Redis server of its own (the shared-pool engine)."""
     base = Path(tempfile.mkdtemp(prefix="kvfs-differential-", dir="/var/tmp"))
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, base, ignore_errors=True)
         base.chmod(0o755)
         (base / "mnt").mkdir()
         plain = base / "plain"
         plain.mkdir()
         plain.chmod(0o755)
-        mount = KvfsMount(base / "mnt", base / "data",
-                          ["--capacity", request.param, "--allow-other"])
-        try:
-            mount.mount()
-            yield Roots(mount, plain)
-            mount.unmount()
-        finally:
-            mount.cleanup()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+        options = ["--capacity", request.param, "--allow-other"]
+        if request.param == "redis":
+            server = stack.enter_context(LocalRedis(base / "redis"))
+            options = ["--capacity", "1G", "--allow-other", "--meta", server.url]
+        mount = KvfsMount(base / "mnt", base / "data", options)
+        stack.callback(mount.cleanup)
+        mount.mount()
+        yield Roots(mount, plain)
+        mount.unmount()
 
 
 @pytest.mark.timeout(0 if PROFILE == "long" else 300)

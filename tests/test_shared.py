@@ -1,0 +1,357 @@
+"""Several hosts, one pool: kvfs daemons with their own mountpoints sharing one data directory
+and one Redis server (the test's own, on a free port), as hosts of a cluster would share an
+array and a Redis. Each test checks what the others see, byte for byte, and that the pool's
+counters equal a recount of its metadata afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import time
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+
+import pytest
+from conftest import (
+    MOUNT_SCRIPT,
+    KvfsMount,
+    assert_counters_exact,
+    blob_files,
+    counters_and_recount,
+    drop_caches,
+    stats,
+    wait_for,
+)
+from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
+
+from kvfs.local_redis import LocalRedis
+
+MiB = 1 << 20
+KVFS_CLI = Path(sys.executable).parent / "kvfs"
+
+
+def fsck(data: Path, url: str, repair: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KVFS_CLI), "fsck", "--data", str(data), "--meta", url,
+                           *(["--repair"] if repair else [])],
+                          capture_output=True, text=True, timeout=300)
+
+
+def unmount_all(hosts: list[KvfsMount]) -> None:
+    for host in hosts:
+        host.unmount()
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under `root` (not .kvfs) with the sha256 of its content."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if relative.parts[0] == ".kvfs" or path.is_dir():
+            continue
+        found[str(relative)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def assert_pool_counters_exact(host: KvfsMount) -> None:
+    """The pool's counters, as `host` shows them, equal a recount of its metadata, once every
+    host's last report of its staged bytes is in (they report every TTL/4)."""
+    wait_for(lambda: shown_and_counted(host)[0] == shown_and_counted(host)[1], 2)
+    assert_counters_exact(host.mountpoint, host.data)
+
+
+def shown_and_counted(host: KvfsMount) -> tuple[tuple, tuple]:
+    return counters_and_recount(host.mountpoint, host.data)
+
+
+def staged_files(data: Path) -> list[Path]:
+    return [path for path in (data / "staging").rglob("*") if path.is_file()]
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_what_one_host_writes_every_other_reads_byte_exact(shared_pool, redis_server,
+                                                           count: int) -> None:
+    hosts = shared_pool(count, "--capacity", "1G")
+    rng = random.Random(count)
+    written: dict[str, str] = {}
+    for index, host in enumerate(hosts):
+        directory = host.mountpoint / f"host{index}"
+        directory.mkdir()
+        for chunk in range(3):
+            content = rng.randbytes(rng.choice([0, 4096, 3 * MiB + 17]))
+            temp = directory / f"chunk{chunk}.data.tmp"
+            temp.write_bytes(content)
+            temp.rename(directory / f"chunk{chunk}.data")  # LMCache's pattern
+            written[f"host{index}/chunk{chunk}.data"] = hashlib.sha256(content).hexdigest()
+    drop_caches()
+    for host in hosts:
+        assert tree(host.mountpoint) == written
+        assert sorted(os.listdir(host.mountpoint)) == [f"host{i}" for i in range(count)]
+    # Passthrough reads and checksums work on every host, not only the writer's.
+    reader = stats(hosts[-1].mountpoint)
+    assert reader["checksum_errors"] == 0
+    if reader["data_path"] == "passthrough":
+        empty = hashlib.sha256(b"").hexdigest()
+        assert reader["opens_passthrough"] >= sum(digest != empty for digest in written.values())
+    assert_pool_counters_exact(hosts[0])
+    shown = [stats(host.mountpoint) for host in hosts]
+    assert {(s["used_bytes"], s["files"]) for s in shown} == {(shown[0]["used_bytes"],
+                                                                len(written))}
+    unmount_all(hosts)
+    assert staged_files(hosts[0].data) == []
+    checked = fsck(hosts[0].data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def churn(root: str, seed: int, seconds: float, errors: multiprocessing.Queue) -> None:
+    """Creates, renames, links and unlinks of a few shared names, as fast as they go."""
+    rng = random.Random(seed)
+    names = [Path(root) / "shared" / f"n{i}" for i in range(12)]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        first, second = rng.sample(names, 2)
+        try:
+            match rng.randrange(5):
+                case 0:
+                    first.write_bytes(rng.randbytes(rng.randrange(1, 64 * 1024)))
+                case 1:
+                    first.rename(second)
+                case 2:
+                    first.unlink()
+                case 3:
+                    os.link(first, second)
+                case 4:
+                    (first.parent / f"d{seed}").mkdir()
+                    (first.parent / f"d{seed}").rmdir()
+        except (FileNotFoundError, FileExistsError):
+            pass  # another host got there first: the race these tests are about
+        except OSError as error:
+            errors.put(f"{first.name} {second.name}: {error}")
+
+
+def test_concurrent_namespace_changes_from_every_host_stay_consistent(shared_pool,
+                                                                      redis_server) -> None:
+    hosts = shared_pool(4, "--capacity", "1G")
+    (hosts[0].mountpoint / "shared").mkdir()
+    errors: multiprocessing.Queue = multiprocessing.Queue()
+    workers = [multiprocessing.Process(target=churn, args=(str(host.mountpoint), seed, 8.0,
+                                                           errors))
+               for seed, host in enumerate(hosts * 2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert failures == []
+    # Every host sees the same names with the same inode and link count.
+    time.sleep(0.1)  # kernel caches on a shared pool hold entries for at most 50 ms
+    views = [{p.name: (p.stat().st_ino, p.stat().st_nlink, p.stat().st_size)
+              for p in (host.mountpoint / "shared").iterdir()} for host in hosts]
+    assert all(view == views[0] for view in views), views
+    assert [stats(host.mountpoint)["blobs_held"] for host in hosts] == [0] * len(hosts)
+    assert_pool_counters_exact(hosts[0])
+    unmount_all(hosts)
+    checked = fsck(hosts[0].data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_lmcache_engines_on_two_hosts_share_chunks(shared_pool, engines: Engines) -> None:
+    first, second = shared_pool(2, "--capacity", "2G")
+    writer = engines.run("store", dir=first.mountpoint / "lmcache", chunks=8, kv_seed=31)
+    assert writer["errors"] == [] and writer["store"]["flushed"]
+    reader = engines.run("lookup", "retrieve", dir=second.mountpoint / "lmcache", chunks=8,
+                         kv_seed=31)
+    assert_exact(reader, 8, {31})
+    assert reader["lookup"]["tokens_hit"] == 8 * CHUNK_TOKENS
+    assert stats(second.mountpoint)["lookup_hits"] >= 8
+
+
+def test_a_chunk_committed_on_one_host_is_found_on_another_at_once(shared_pool) -> None:
+    """The README's rule: misses are not cached on a shared pool, hits for 50 ms."""
+    first, second = shared_pool(2)
+    key = second.mountpoint / "chunk.data"
+    with pytest.raises(FileNotFoundError):
+        key.stat()  # a miss on host 2 first: it must not hide the commit below
+    (first.mountpoint / "chunk.data.tmp").write_bytes(b"one")
+    (first.mountpoint / "chunk.data.tmp").rename(first.mountpoint / "chunk.data")
+    assert key.read_bytes() == b"one"  # at once: nothing cached the miss
+    old_ino = key.stat().st_ino
+    (first.mountpoint / "chunk.data.tmp").write_bytes(b"second version")
+    (first.mountpoint / "chunk.data.tmp").rename(first.mountpoint / "chunk.data")
+    time.sleep(0.1)
+    assert key.stat().st_ino != old_ino
+    assert key.read_bytes() == b"second version"
+    (first.mountpoint / "chunk.data").unlink()
+    time.sleep(0.1)
+    assert not key.exists()
+
+
+def slow_writer(path: str, started: EventType) -> None:
+    with open(path, "wb") as out:
+        out.write(os.urandom(MiB))
+        out.flush()
+        started.set()
+        while True:
+            out.write(os.urandom(MiB))
+            time.sleep(0.05)
+
+
+def test_a_killed_host_is_cleaned_up_after_and_the_others_keep_serving(shared_pool) -> None:
+    first, second = shared_pool(2, "--capacity", "1G")
+    committed = {f"kept{i}": os.urandom(2 * MiB) for i in range(4)}
+    for name, content in committed.items():
+        (first.mountpoint / name).write_bytes(content)
+    before = stats(second.mountpoint)
+    # A writer on host 1 has staged data when its daemon dies.
+    started = multiprocessing.Event()
+    writer = multiprocessing.Process(target=slow_writer,
+                                     args=(str(first.mountpoint / "unfinished"), started))
+    writer.start()
+    try:
+        assert started.wait(20)
+        assert wait_for(lambda: staged_files(first.data) != [], 10)
+        first.kill9()
+    finally:
+        writer.kill()
+        writer.join()
+    for name, content in committed.items():
+        assert (second.mountpoint / name).read_bytes() == content
+    (second.mountpoint / "after").write_bytes(b"host 2 still writes")
+    # Host 2 notices host 1's session expired (TTL 1 s) and reclaims its staged data.
+    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+    assert staged_files(first.data) == []
+    # Of the two hosts' staging directories and mount records, host 2's alone remain.
+    assert os.listdir(first.data / "staging") == os.listdir(first.data / "mounts")
+    assert len(os.listdir(first.data / "mounts")) == 1
+    assert sorted(os.listdir(second.mountpoint)) == sorted([*committed, "after", "unfinished"])
+    assert (second.mountpoint / "unfinished").stat().st_size == 0  # its writes never committed
+    assert_pool_counters_exact(second)
+    assert stats(second.mountpoint)["background_errors"] == before["background_errors"]
+
+
+def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> None:
+    first, second = shared_pool(2, "--capacity", "1G")
+    content = os.urandom(3 * MiB)
+    (first.mountpoint / "before").write_bytes(content)
+    redis_server.stop()
+    started = time.monotonic()
+    with pytest.raises(OSError) as failed:
+        os.stat(second.mountpoint / "missing-name")
+    assert failed.value.errno == errno.EIO
+    assert time.monotonic() - started < 10  # fails, does not hang
+    redis_server.start()
+    assert wait_for(lambda: _readable(second.mountpoint / "before"), 20)
+    assert (second.mountpoint / "before").read_bytes() == content
+    (second.mountpoint / "after").write_bytes(b"written after the restart")
+    assert (first.mountpoint / "after").read_bytes() == b"written after the restart"
+    for host in (first, second):
+        assert stats(host.mountpoint)["handler_errors"] == 0
+        assert stats(host.mountpoint)["sessions_reaped"] == 0  # nobody was declared dead
+    assert_pool_counters_exact(first)
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.stat()
+    except OSError:
+        return False
+    return True
+
+
+def write_chunks(root: str, prefix: str, count: int, size: int) -> int:
+    """Write chunk files until `count` are written; returns how many writes failed ENOSPC."""
+    full = 0
+    for index in range(count):
+        try:
+            Path(root, f"{prefix}{index}").write_bytes(os.urandom(size))
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            full += 1
+    return full
+
+
+def test_writers_on_every_host_stay_within_the_pools_capacity(shared_pool) -> None:
+    hosts = shared_pool(2, "--capacity", "64M")
+    with multiprocessing.Pool(len(hosts)) as pool:
+        results = pool.starmap(write_chunks, [(str(host.mountpoint), f"h{i}-", 16, 4 * MiB)
+                                              for i, host in enumerate(hosts)])
+    assert sum(results) == 0  # eviction made room every time (none of it is pinned or open)
+    for host in hosts:
+        shown = stats(host.mountpoint)
+        assert shown["used_bytes"] <= shown["capacity_bytes"] == 64 * MiB
+    on_disk = sum(path.stat().st_blocks * 512 for path in blob_files(hosts[0].data))
+    assert on_disk <= 64 * MiB + 8 * MiB  # plus what the reapers have not deleted yet
+    assert wait_for(lambda: sum(p.stat().st_blocks * 512
+                                for p in blob_files(hosts[0].data)) <= 64 * MiB, 10)
+    assert sum(stats(host.mountpoint)["evictions"] for host in hosts) >= 16
+    assert_pool_counters_exact(hosts[0])
+
+
+def test_a_file_open_on_one_host_is_never_evicted_by_another(shared_pool) -> None:
+    first, second = shared_pool(2, "--capacity", "32M")
+    content = os.urandom(8 * MiB)
+    (first.mountpoint / "held").write_bytes(content)
+    with open(second.mountpoint / "held", "rb") as held:
+        assert held.read(MiB) == content[:MiB]
+        for index in range(12):  # 48 MiB more through host 1: everything else goes
+            (first.mountpoint / f"filler{index}").write_bytes(os.urandom(4 * MiB))
+        assert (first.mountpoint / "held").read_bytes() == content
+        held.seek(0)
+        assert held.read() == content
+        assert stats(first.mountpoint)["evictions"] >= 5
+    # Closed on host 2, it is an ordinary least-recently-used file again.
+    for index in range(12, 24):
+        (first.mountpoint / f"filler{index}").write_bytes(os.urandom(4 * MiB))
+    assert not (first.mountpoint / "held").exists()
+    assert_pool_counters_exact(first)
+
+
+def test_a_blob_open_on_one_host_outlives_its_replacement_on_another(shared_pool) -> None:
+    first, second = shared_pool(2, "--capacity", "1G")
+    old = os.urandom(4 * MiB)
+    (first.mountpoint / "chunk").write_bytes(old)
+    with open(second.mountpoint / "chunk", "rb") as reader:
+        (first.mountpoint / "chunk").write_bytes(b"new")  # the old blob is doomed
+        time.sleep(2.5)  # sweeps run every second on both hosts
+        assert len(blob_files(first.data)) == 2  # held by host 2: not deleted
+        drop_caches()
+        assert reader.read() == old
+    assert wait_for(lambda: len(blob_files(first.data)) == 1, 10)
+    assert (second.mountpoint / "chunk").read_bytes() == b"new"
+
+
+def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,
+                                                   tmp_path: Path) -> None:
+    embedded = make_mount("--capacity", "64M")
+    embedded.unmount()
+    mountpoint = tmp_path / "elsewhere"
+    mountpoint.mkdir()
+    cases = [
+        ([str(embedded.data), "--meta", redis_server.url], "mount it without --meta"),
+        ([str(tmp_path / "new"), "--meta", "redis://127.0.0.1:1/0"], "cannot be reached"),
+        ([str(tmp_path / "new"), "--meta", "http://example/"], "not a redis://"),
+    ]
+    shared = make_mount("--meta", redis_server.url, data=tmp_path / "pool")
+    shared.unmount()
+    cases.append(([str(shared.data)], f"give --meta {redis_server.url}"))
+    other = LocalRedis(tmp_path / "other-redis").start()
+    try:
+        cases.append(([str(shared.data), "--meta", other.url], "is a shared pool"))
+        for arguments, message in cases:
+            result = subprocess.run([sys.executable, str(MOUNT_SCRIPT), str(mountpoint),
+                                     "--data", *arguments],
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode != 0
+            assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+                result.stderr
+    finally:
+        other.stop()
