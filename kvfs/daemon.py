@@ -85,7 +85,9 @@ def setup_logging(config: MountConfig) -> None:
         handler = logging.handlers.SysLogHandler(address="/dev/log")
     else:
         handler = logging.FileHandler(config.log_file or Volume(config.data).log_path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # The pid tells apart the daemons of a shared pool that log into one DATA/kvfs.log.
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 

@@ -42,6 +42,10 @@ class Txn(Protocol):
 
     def get(self, family: str, key: bytes) -> bytes | None: ...
 
+    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
+        """Several records at once (one round trip on a shared engine)."""
+        ...
+
     def put(self, family: str, key: bytes, value: bytes) -> None: ...
 
     def delete(self, family: str, key: bytes) -> bool: ...
@@ -106,6 +110,9 @@ class _LmdbTxn:
 
     def get(self, family: str, key: bytes) -> bytes | None:
         return self._txn.get(key, db=self._dbs[family])
+
+    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
+        return [self._txn.get(key, db=self._dbs[family]) for key in keys]
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self._txn.put(key, value, db=self._dbs[family])

@@ -78,6 +78,7 @@ DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 LINK_MAX = 65000  # as ext4
 
 ID_BATCH = 1024  # inode numbers and cookies taken from `next_ino` at once
+TOUCH_BATCH = 256  # recorded uses per transaction
 T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
@@ -878,17 +879,22 @@ class MetaStore:
     # -- recency and xattrs ----------------------------------------------------------------
 
     def touch(self, uses: dict[int, int]) -> None:
-        """Record the last use (ns) of files in one transaction; gone inodes are skipped."""
-        def change(txn: Txn) -> None:
-            for ino, used_ns in uses.items():
-                raw = txn.get("inode", u64(ino))
-                if raw is None:
-                    continue
-                inode = Inode.unpack(ino, raw)
-                if used_ns > inode.atime_ns:
-                    self._put(txn, replace(inode, atime_ns=used_ns))
-                    self._index_use(txn, inode, inode.atime_ns, used_ns)
-        self._change(change)
+        """Record the last use (ns) of files, TOUCH_BATCH per transaction (each reads its
+        inodes at once); gone inodes are skipped."""
+        pending = list(uses.items())
+        for first in range(0, len(pending), TOUCH_BATCH):
+            batch = pending[first:first + TOUCH_BATCH]
+
+            def change(txn: Txn, batch: list[tuple[int, int]] = batch) -> None:
+                raws = txn.get_many("inode", [u64(ino) for ino, _ in batch])
+                for (ino, used_ns), raw in zip(batch, raws, strict=True):
+                    if raw is None:
+                        continue
+                    inode = Inode.unpack(ino, raw)
+                    if used_ns > inode.atime_ns:
+                        self._put(txn, replace(inode, atime_ns=used_ns))
+                        self._index_use(txn, inode, inode.atime_ns, used_ns)
+            self._change(change)
 
     def least_recent(self, limit: int, after: bytes = b"") -> list[tuple[bytes, Inode]]:
         """Up to `limit` files, least recently used first, each with its position; pass the

@@ -112,6 +112,11 @@ class _Reader:
     def get(self, family: str, key: bytes) -> bytes | None:
         return self.engine.call(self.client.get, _record_key(family, key))
 
+    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return self.engine.call(self.client.mget, [_record_key(family, key) for key in keys])
+
     def count(self, family: str, key: bytes) -> int:
         raw = self.engine.call(self.client.hget, _counter_key(family), key)
         return int(raw) if raw is not None else 0
@@ -153,6 +158,20 @@ class _Change:
         record = _record_key(family, key)
         self._watch(record)
         return self.pipe.get(record)
+
+    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
+        stored = [key for key in keys if (family, key) not in self.writes]
+        if stored and family not in self.cleared:
+            records = [_record_key(family, key) for key in stored]
+            unwatched = [record for record in records if record not in self.watched]
+            if unwatched:
+                self.watched.update(unwatched)
+                self.pipe.watch(*unwatched)
+            found = dict(zip(stored, self.pipe.mget(records), strict=True))
+        else:
+            found = {}
+        return [self.writes[family, key] if (family, key) in self.writes else found.get(key)
+                for key in keys]
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)

@@ -115,8 +115,15 @@ class Space:
         return uses
 
     async def flush_uses(self) -> None:
-        if self._uses:
-            await trio.to_thread.run_sync(self.meta.touch, self.take_uses())
+        if not self._uses:
+            return
+        uses = self.take_uses()
+        try:
+            await trio.to_thread.run_sync(self.meta.touch, uses)
+        except BaseException:  # kept for the next flush (a shared engine may be busy)
+            for ino, used_ns in uses.items():
+                self._uses[ino] = max(used_ns, self._uses.get(ino, 0))
+            raise
 
     # -- eviction ------------------------------------------------------------------------
 

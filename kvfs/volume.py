@@ -29,7 +29,6 @@ from kvfs.engine import Engine, LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, MetaStore
 from kvfs.passthrough import boot_id
 from kvfs.records import FsError
-from kvfs.redis_engine import RedisEngine
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +123,8 @@ class Volume:
         if shared is not None and shared != url:
             raise VolumeError(f"{self.root} is a shared pool with its metadata in {shared}, "
                               f"not {url}")
+        from kvfs.redis_engine import RedisEngine  # the client: only shared pools load it
+
         try:
             engine = RedisEngine(url)
         except ValueError as error:
