@@ -113,7 +113,7 @@ class Daemon:
                                config.mountpoint, config.session_ttl)
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, self.session,
-                           is_open=self._is_open, on_evicted=self._evicted)
+                           is_open=self._is_open, evicted=self._evicted)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
         self.passthrough = Passthrough(config.passthrough)
@@ -134,9 +134,8 @@ class Daemon:
     def _is_open(self, ino: int) -> bool:
         return self.files.is_open(ino)
 
-    def _evicted(self, removed: Removed) -> None:
-        self.files.removed(removed)
-        self.notifier.names_removed(removed)
+    async def _evicted(self, removed: list[Removed]) -> None:
+        await self.files.evicted(removed)
 
     def mount(self) -> None:
         options = set(pyfuse3.default_options)

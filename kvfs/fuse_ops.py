@@ -252,7 +252,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.removed(self.meta.remove(parent_inode, name, is_dir=False))
+        self.files.retire(self.meta.remove(parent_inode, name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
@@ -264,7 +264,7 @@ class KvfsOperations(pyfuse3.Operations):
         _, replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new,
                                        name_new, flags)
         if replaced is not None:
-            self.files.removed(replaced)
+            self.files.retire(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:

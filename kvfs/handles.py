@@ -466,9 +466,12 @@ class FileTable:
 
     # -- retiring ------------------------------------------------------------------------
 
-    def removed(self, removed: Removed) -> None:
-        """Names went (unlink, rename over, eviction, lost data): once the inode has none
-        left, keep serving its open handles and doom its blob."""
+    def retire(self, removed: Removed, behind_kernel: bool = False) -> None:
+        """The one owner of a file's names going (unlink, rename over, eviction, lost data):
+        names removed `behind_kernel` (not by a request) are invalidated in the kernel; once
+        the inode has none left, its open handles keep serving and its blob is doomed."""
+        if behind_kernel:
+            self.on_removed(removed)
         if not removed.gone:
             return
         inode = removed.inode
@@ -518,6 +521,15 @@ class FileTable:
         doomed = self._doomed + sorted(self._doomed_when_published)
         self._doomed, self._doomed_when_published = [], set()
         self._reap(doomed)
+
+    async def evicted(self, removed: list[Removed]) -> None:
+        """Retire eviction's victims and delete their data files before eviction returns:
+        the room it made must be on the volume, not only in the counters."""
+        for victim in removed:
+            self.retire(victim, behind_kernel=True)
+        doomed, self._doomed = self._doomed, []
+        if doomed:
+            await trio.to_thread.run_sync(self._reap, doomed)
 
     def _reap(self, doomed: list[int]) -> None:
         for blob_id in doomed:
@@ -731,8 +743,7 @@ class FileTable:
         if current is None or (blob is not None and current.blob != blob.blob_id):
             return  # already replaced or removed: only this snapshot was bad
         for removed in self.meta.drop_files([inode.ino]):
-            self.removed(removed)
-            self.on_removed(removed)
+            self.retire(removed, behind_kernel=True)
 
     def _is_unlinked(self, ino: int) -> bool:
         state = self._open.get(ino)

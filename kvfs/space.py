@@ -21,7 +21,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -48,13 +48,14 @@ KERNEL_WRITER_MIN_RESERVES = 16  # ... in pools at least this many times as larg
 
 class Space:
     def __init__(self, meta: MetaStore, volume: Path, stats: Stats, session: Session,
-                 is_open: Callable[[int], bool], on_evicted: Callable[[Removed], None]) -> None:
+                 is_open: Callable[[int], bool],
+                 evicted: Callable[[list[Removed]], Awaitable[None]]) -> None:
         self.meta = meta
         self.session = session
         self.volume = volume
         self.stats = stats
         self.is_open = is_open
-        self.on_evicted = on_evicted
+        self.evicted = evicted  # retires the victims (kvfs/handles.py)
         self.inflight = 0  # bytes staged by open write handles
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
         # Room measured by the last full check, spent by later reservations until it runs out
@@ -140,12 +141,13 @@ class Space:
                 if not enough and not partial:
                     return False
                 spared = [ino for ino in victims if not self.is_open(ino)]  # opened meanwhile
-                for removed in await trio.to_thread.run_sync(self.meta.drop_files, spared,
-                                                             self.session.shared):
+                dropped = await trio.to_thread.run_sync(self.meta.drop_files, spared,
+                                                        self.session.shared)
+                for removed in dropped:
                     self.stats.evictions += 1
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
                               removed.inode.ino, removed.inode.allocated)
-                    self.on_evicted(removed)
+                await self.evicted(dropped)
                 if not enough:
                     return False
             return self.used() <= target
