@@ -204,7 +204,7 @@ class KvfsOperations(pyfuse3.Operations):
             return negative_entry(self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.touch(inode.ino)
-        return self._entry(self.files.attributes(inode.ino))
+        return self._entry(inode)  # it has a name: not a file unlinked while open
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
         return self._entry(self._attributes(inode))

@@ -144,6 +144,7 @@ class _Change:
         self.adds: list[tuple[str, bytes, int]] = []
         self.cleared: set[str] = set()
         self.watched: set[bytes] = set()
+        self.read: dict[bytes, bytes | None] = {}  # records read (and watched) so far
 
     def _watch(self, key: bytes) -> None:
         if key not in self.watched:
@@ -156,22 +157,25 @@ class _Change:
         if family in self.cleared:
             return None
         record = _record_key(family, key)
-        self._watch(record)
-        return self.pipe.get(record)
+        if record not in self.read:
+            self._watch(record)
+            self.read[record] = self.pipe.get(record)
+        return self.read[record]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
-        stored = [key for key in keys if (family, key) not in self.writes]
-        if stored and family not in self.cleared:
-            records = [_record_key(family, key) for key in stored]
-            unwatched = [record for record in records if record not in self.watched]
+        if family in self.cleared:
+            return [self.writes.get((family, key)) for key in keys]
+        records = {key: _record_key(family, key) for key in keys
+                   if (family, key) not in self.writes}
+        unread = [record for record in records.values() if record not in self.read]
+        if unread:
+            unwatched = [record for record in unread if record not in self.watched]
             if unwatched:
                 self.watched.update(unwatched)
                 self.pipe.watch(*unwatched)
-            found = dict(zip(stored, self.pipe.mget(records), strict=True))
-        else:
-            found = {}
-        return [self.writes[family, key] if (family, key) in self.writes else found.get(key)
-                for key in keys]
+            self.read.update(zip(unread, self.pipe.mget(unread), strict=True))
+        return [self.writes[family, key] if (family, key) in self.writes
+                else self.read[records[key]] for key in keys]
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)
