@@ -37,6 +37,8 @@ def snapshot(meta: MetaStore, space: Space, stats: Stats, passthrough: Passthrou
         "used_bytes": space.used(),
         "files": usage.files,
         **stats.as_dict(),
+        "metadata_conflicts": meta.engine.conflicts,
+        "hosts": len(meta.sessions()) if meta.engine.shared else 1,
         "models": meta.models(),
     }
 

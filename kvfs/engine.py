@@ -75,6 +75,7 @@ class Txn(Protocol):
 
 class Engine(Protocol):
     shared: bool  # whether other hosts use the same metadata at the same time
+    conflicts: int  # changes run again because another change got in their way
 
     def snapshot(self) -> AbstractContextManager[Txn]: ...
 
@@ -163,6 +164,7 @@ class LmdbEngine:
     """The embedded engine: LMDB in the volume's `meta/` directory."""
 
     shared = False
+    conflicts = 0  # one writer at a time: changes never conflict
 
     def __init__(self, path: Path, families: tuple[str, ...], map_size: int,
                  readonly: bool = False) -> None:

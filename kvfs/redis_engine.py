@@ -262,6 +262,7 @@ class RedisEngine:
             url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=REQUEST_TIMEOUT,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
         self._down_until = 0.0
+        self.conflicts = 0
         self._room = (0.0, True)
         self._lock = threading.Lock()
         self.call(self.client.ping)
@@ -314,6 +315,7 @@ class RedisEngine:
                     # is the change's answer.
                     if self._down_until or self.call(self._still_valid, txn):
                         raise
+            self.conflicts += 1
             time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)))
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)

@@ -32,6 +32,7 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> 
     if previous is not None:
         summary.add_column("per second", justify="right")
     rows = [
+        ("hosts sharing the pool", str(state["hosts"]), None),
         ("capacity", _size(state["capacity_bytes"]), None),
         ("used", f"{_size(state['used_bytes'])} ({used_share:.1%})", None),
         ("files", str(state["files"]), None),

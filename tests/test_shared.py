@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import multiprocessing
 import os
 import random
@@ -25,6 +26,7 @@ from conftest import (
     blob_files,
     counters_and_recount,
     drop_caches,
+    pid_alive,
     stats,
     wait_for,
 )
@@ -355,3 +357,27 @@ def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,
                 result.stderr
     finally:
         other.stop()
+
+
+def test_every_host_has_its_own_stats_and_tools(shared_pool) -> None:
+    first, second = shared_pool(2, "--capacity", "1G")
+    content = os.urandom(MiB)
+    (first.mountpoint / "chunk").write_bytes(content)
+    assert (second.mountpoint / "chunk").read_bytes() == content
+    shown = [json.loads(subprocess.run([str(KVFS_CLI), "stat", "--json", str(host.mountpoint)],
+                                       capture_output=True, text=True, check=True).stdout)
+             for host in (first, second)]
+    assert [state["hosts"] for state in shown] == [2, 2]
+    # The pool's figures are the same on every host; traffic is each host's own.
+    assert shown[0]["used_bytes"] == shown[1]["used_bytes"] == MiB
+    assert (shown[0]["commits"], shown[1]["commits"]) == (1, 0)
+    assert shown[1]["lookup_hits"] >= 1
+    table = subprocess.run([str(KVFS_CLI), "stat", str(second.mountpoint)],
+                           capture_output=True, text=True, check=True).stdout
+    assert "hosts sharing the pool" in table
+    # `kvfs umount` finds the daemon of that mountpoint and waits for it; the other serves on.
+    subprocess.run([str(KVFS_CLI), "umount", str(first.mountpoint)], check=True, timeout=60)
+    assert not pid_alive(first.pid)
+    first.pid = 0
+    assert stats(second.mountpoint)["hosts"] == 1
+    assert (second.mountpoint / "chunk").read_bytes() == content
