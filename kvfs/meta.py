@@ -60,6 +60,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from itertools import islice, takewhile
 from typing import TypeVar
 
 from kvfs.engine import Engine, Txn
@@ -79,6 +80,7 @@ LINK_MAX = 65000  # as ext4
 
 ID_BATCH = 1024  # inode numbers and cookies taken from `next_ino` at once
 TOUCH_BATCH = 256  # recorded uses per transaction
+READDIR_BATCH = 128  # entries whose inodes are read at once
 T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
@@ -410,13 +412,14 @@ class MetaStore:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
         prefix = u64(parent)
         with self.engine.snapshot() as txn:
-            for key, value in txn.scan("dirlist", prefix + u64(after + 1)):
-                if key[:8] != prefix:
-                    return
-                child = txn.get("inode", value[:8])
-                if child is not None:
-                    yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
-                           from_u64(key[8:]))
+            entries = takewhile(lambda entry: entry[0][:8] == prefix,
+                                txn.scan("dirlist", prefix + u64(after + 1)))
+            while batch := list(islice(entries, READDIR_BATCH)):
+                children = txn.get_many("inode", [bytes(value[:8]) for _, value in batch])
+                for (key, value), child in zip(batch, children, strict=True):
+                    if child is not None:
+                        yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
+                               from_u64(key[8:]))
 
     def usage(self) -> Usage:
         with self.engine.snapshot() as txn:

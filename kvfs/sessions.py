@@ -115,10 +115,19 @@ class Session:
             log.error("session %s was declared dead by another host (stalled for more than "
                       "%.0f s?): registering again", self.id.hex(), self.ttl)
             self.stats.sessions_lost += 1
+            self._rejoin()
         self._record["staged"] = staged
         self.meta.register_session(self.id, json.dumps(self._record).encode())
         self.others_staged = sum(json.loads(raw).get("staged", 0)
                                  for session, raw in sessions.items() if session != self.id)
+
+    def _rejoin(self) -> None:
+        """After being declared dead: the reaper took this session's staging directory, holds
+        and mount record; put them back (its staged writes are lost: their closes fail)."""
+        self.data.staging_dir.mkdir(parents=True, exist_ok=True)
+        for blob_id in self._held.copy():
+            self.meta.hold(blob_id, self.id)
+        self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
 
     def _reap_dead(self) -> list[int]:
         """Claim and clean up after sessions seen dead long enough; returns pending blobs

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -381,3 +382,23 @@ def test_every_host_has_its_own_stats_and_tools(shared_pool) -> None:
     first.pid = 0
     assert stats(second.mountpoint)["hosts"] == 1
     assert (second.mountpoint / "chunk").read_bytes() == content
+
+
+def test_a_stalled_host_declared_dead_rejoins(shared_pool) -> None:
+    """A host that stops answering for longer than the session TTL is cleaned up after; when
+    it wakes it finds out, registers again and serves on (what it had committed stays)."""
+    first, second = shared_pool(2, "--capacity", "1G")
+    content = os.urandom(2 * MiB)
+    (first.mountpoint / "before").write_bytes(content)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+        assert stats(second.mountpoint)["hosts"] == 1
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert wait_for(lambda: stats(first.mountpoint)["sessions_lost"] == 1, 10)
+    assert wait_for(lambda: stats(second.mountpoint)["hosts"] == 2, 10)
+    assert (first.mountpoint / "before").read_bytes() == content
+    (first.mountpoint / "after").write_bytes(b"written after rejoining")
+    assert (second.mountpoint / "after").read_bytes() == b"written after rejoining"
+    assert_pool_counters_exact(first)
