@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from bench_io import (
     lmcache_store,
     make_empty_files,
     read_files,
+    run_cleaning_up,
     stat_paths,
     warm_files,
     write_files,
@@ -702,20 +702,7 @@ def main() -> int:
     if bench.workdir.exists() and any(bench.workdir.iterdir()):
         CONSOLE.print(f"[red]work directory {bench.workdir} is not empty; remove it first[/]")
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clean up on kill too
-    started = time.monotonic()
-    finished = False
-    try:
-        bench.run()
-        finished = True
-    except KeyboardInterrupt:
-        CONSOLE.print("[red]interrupted: cleaning up[/]")
-    except Exception:
-        CONSOLE.print_exception()
-        CONSOLE.print("[red]benchmark failed: cleaning up, reporting what was measured[/]")
-    finally:
-        with CONSOLE.status("cleaning up …"):
-            bench.cleanup()
+    started, finished = run_cleaning_up(bench, CONSOLE)
     found = checks(bench)
     print_report(bench, found)
     save(bench, found, out, started, finished)

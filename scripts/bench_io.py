@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -222,7 +226,7 @@ class KvfsMount:
         seconds = time.perf_counter() - start
         if result.returncode:
             raise RuntimeError(f"mounting kvfs failed: {result.stderr.strip()}")
-        self.pid = int((self.data / "kvfs.lock").read_text().strip())
+        self.pid = Volume(self.data).daemon_pid(self.mountpoint.resolve())
         return seconds
 
     def unmount(self) -> None:
@@ -248,3 +252,23 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def run_cleaning_up(bench: Any, console: Any) -> tuple[float, bool]:
+    """Run a benchmark (`run()`, then `cleanup()` whatever happens: an error, Ctrl-C, SIGTERM);
+    returns when it started (monotonic) and whether it finished."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clean up on kill too
+    started = time.monotonic()
+    finished = False
+    try:
+        bench.run()
+        finished = True
+    except KeyboardInterrupt:
+        console.print("[red]interrupted: cleaning up[/]")
+    except Exception:
+        console.print_exception()
+        console.print("[red]benchmark failed: cleaning up, reporting what was measured[/]")
+    finally:
+        with console.status("cleaning up …"):
+            bench.cleanup()
+    return started, finished

@@ -34,7 +34,6 @@ import queue
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from bench_io import (
     kv_name,
     make_empty_files,
     read_files,
+    run_cleaning_up,
     stat_paths,
     write_files,
 )
@@ -63,7 +63,6 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfs.local_redis import LocalRedis
-from kvfs.volume import Volume
 
 CONSOLE = Console(width=None if sys.stdout.isatty() else 132)
 TARGETS = ("plain", "lmdb", "redis")
@@ -123,27 +122,6 @@ class Metric:
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "median": {t: self.median(t) for t in TARGETS},
                 "ratio_to_plain": {t: self.ratio(t) for t in TARGETS[1:]}}
-
-
-class SharedMount(KvfsMount):
-    """One host of a shared pool. Its pid is in DATA/mounts/ (the lock holds none there)."""
-
-    def __init__(self, data: Path, mountpoint: Path, meta_url: str) -> None:
-        super().__init__(data, mountpoint, ["--meta", meta_url])
-
-    def mount(self) -> float:
-        start = time.perf_counter()
-        result = subprocess.run(
-            [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint),
-             "--data", str(self.data), *self.options],
-            capture_output=True, text=True, cwd=REPO,
-        )
-        seconds = time.perf_counter() - start
-        if result.returncode:
-            raise RuntimeError(f"mounting kvfs at {self.mountpoint} failed: "
-                               f"{result.stderr.strip()}")
-        self.pid = Volume(self.data).daemon_pid(self.mountpoint)
-        return seconds
 
 
 # -- the visibility workers (child processes) -------------------------------------------------
@@ -208,8 +186,8 @@ class Bench:
         self.workdir = workdir
         self.redis = LocalRedis(workdir / "redis")
         self.lmdb = KvfsMount(workdir / "lmdb-data", workdir / "lmdb-mnt", [])
-        self.host_a: SharedMount | None = None  # made once Redis has its port
-        self.host_b: SharedMount | None = None
+        self.host_a: KvfsMount | None = None  # made once Redis has its port
+        self.host_b: KvfsMount | None = None
         self.writers: dict[str, Path] = {}
         self.readers: dict[str, Path] = {}
         self.metrics: dict[tuple[str, str], Metric] = {}
@@ -253,10 +231,10 @@ class Bench:
         for path in (plain, self.lmdb.data, self.lmdb.mountpoint):
             path.mkdir(parents=True, exist_ok=True)
         self.redis.start()
-        self.host_a = SharedMount(self.workdir / "pool-data", self.workdir / "host-a",
-                                  self.redis.url)
-        self.host_b = SharedMount(self.workdir / "pool-data", self.workdir / "host-b",
-                                  self.redis.url)
+        self.host_a = KvfsMount(self.workdir / "pool-data", self.workdir / "host-a",
+                                ["--meta", self.redis.url])
+        self.host_b = KvfsMount(self.workdir / "pool-data", self.workdir / "host-b",
+                                ["--meta", self.redis.url])
         for mount in self.mounts:
             mount.mountpoint.mkdir(parents=True, exist_ok=True)
             mount.mount()
@@ -533,20 +511,7 @@ def main() -> int:
         CONSOLE.print(f"[red]work directory {workdir} is not empty; remove it first[/]")
         return 1
     bench = Bench(plan, workdir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clean up on kill too
-    started = time.monotonic()
-    finished = False
-    try:
-        bench.run()
-        finished = True
-    except KeyboardInterrupt:
-        CONSOLE.print("[red]interrupted: cleaning up[/]")
-    except Exception:
-        CONSOLE.print_exception()
-        CONSOLE.print("[red]benchmark failed: cleaning up, reporting what was measured[/]")
-    finally:
-        with CONSOLE.status("cleaning up …"):
-            bench.cleanup()
+    started, finished = run_cleaning_up(bench, CONSOLE)
     print_report(bench)
     for record in bench.log_problems[:20]:
         CONSOLE.print(f"[yellow]kvfs log:[/] {record.splitlines()[0]}", soft_wrap=True)
