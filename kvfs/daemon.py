@@ -100,7 +100,9 @@ class Daemon:
         self.meta = self.volume.open_metadata(config.meta_url, config.meta_map_size)
         self.shared = self.meta.engine.shared
         session_id = new_session_id(self.meta)
-        self.data = self.volume.open_data(config.fsync, session_id)
+        # Other hosts read a file from the shared volume, not from this host's page cache:
+        # its data is flushed there before the commit that shows it to them.
+        self.data = self.volume.open_data(config.fsync or self.shared, session_id)
         # One host recovers its own crash now; in a shared pool every mount is a new
         # session, and dead ones are cleaned up by whichever live host claims them first.
         pending = [] if self.shared else self.volume.recover(self.meta, self.data)
