@@ -152,7 +152,8 @@ class Volume:
         if self.shared_url() is None:
             text = self.lock_path.read_text() if self.lock_path.exists() else ""
             return int(text.strip() or 0)
-        for record in self.mounts_dir.glob("*"):
+        # The newest session first: a crashed daemon's record stays until it is cleaned up.
+        for record in sorted(self.mounts_dir.glob("*"), reverse=True):
             pid, _, where = record.read_text().strip().partition(" ")
             if Path(where) == mountpoint:
                 return int(pid)

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/soak.py                  # 20 minutes
     .venv/bin/python scripts/soak.py --minutes 240    # a long soak
     .venv/bin/python scripts/soak.py --quick          # about a minute: a smoke run
+    .venv/bin/python scripts/soak.py --quick --redis  # the same on the shared-pool engine
 
 Needs root (FUSE) and, for the fio rounds, fio (scripts/setup.sh installs both; without fio
 those rounds are skipped and the summary says so). Run by a python without the project's
@@ -26,6 +27,10 @@ Rounds, in turn until the time is up:
   succeeds); then the same space check.
 - fio: several jobs writing sequentially and randomly (4 KiB to 1 MiB blocks) with crc32c
   verify headers, verified in the job and again after the files are committed.
+
+With --redis the volume is a shared pool (metadata in a redis-server of the soak's own, session
+TTL 1 s): after a crash the remount is a new session, and it is the new session that finds the
+old one dead and cleans up after it, so the checks after a crash wait for that (a few seconds).
 
 At the end the volume is unmounted and `kvfs fsck` must find it clean. A table summarizes
 rounds, operations, crashes survived, bytes verified and every error found; the exit status is
@@ -57,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfs.local_redis import LocalRedis
 from kvfs.meta import recount
 from kvfs.volume import Volume
 
@@ -74,6 +80,7 @@ except ImportError:  # a python without the project's packages: use the project'
 KiB = 1 << 10
 MiB = 1 << 20
 CAPACITY = "8G"  # far above what the soak keeps, so that nothing is ever evicted
+SESSION_TTL = "1"  # --redis: seconds before a crashed daemon's session is found dead
 CRASH_WRITERS = 3
 CRASH_READERS = 2
 FILES_PER_WRITER = 4
@@ -450,6 +457,7 @@ class Soak:
     notes: list[str] = field(default_factory=list)
     workers_started: int = 0
     only: set[str] = field(default_factory=lambda: set(ROUNDS))
+    redis: LocalRedis | None = None  # --redis: the shared-pool engine
     done: dict[str, int] = field(default_factory=dict)  # crash rounds: last version closed
     started: dict[str, int] = field(default_factory=dict)  # and last version started
 
@@ -479,14 +487,25 @@ class Soak:
         return any(line.split()[4] == str(self.mountpoint)
                    for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
+    @property
+    def meta_options(self) -> list[str]:
+        return ["--meta", self.redis.url] if self.redis else []
+
+    @property
+    def recovery_seconds(self) -> float:
+        """How long recovery after a crash may take: none on one host (the mount does it);
+        on a shared pool, until the new session has found the old one dead."""
+        return 4 * float(SESSION_TTL) + 2 if self.redis else 0.0
+
     def mount(self) -> None:
+        shared = [*self.meta_options, "--session-ttl", SESSION_TTL] if self.redis else []
         result = subprocess.run(
             [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint), "--data",
-             str(self.data), "--capacity", CAPACITY],
+             str(self.data), "--capacity", CAPACITY, *shared],
             capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise Abort(f"mount failed ({result.returncode}): {result.stderr.strip()}")
-        self.pid = int((self.data / "kvfs.lock").read_text().strip())
+        self.pid = Volume(self.data).daemon_pid(self.mountpoint)
 
     def unmount(self) -> None:
         if self.mounted():
@@ -581,7 +600,8 @@ class Soak:
         """(used bytes, files, per-model usage) as .kvfs/stats shows them, and as a recount of
         the metadata (read-only, beside the daemon) says."""
         stats = json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
-        meta = Volume(self.data).open_metadata(readonly=True)
+        volume = Volume(self.data)
+        meta = volume.open_metadata(volume.shared_url(), readonly=True)
         try:
             counted = recount(meta)
         finally:
@@ -598,7 +618,7 @@ class Soak:
         visible = sum(self.visible_files().values())
         st = os.statvfs(self.mountpoint)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        staged = sorted(p.name for p in (self.data / "staging").iterdir())
+        staged = sorted(p.name for p in (self.data / "staging").rglob("*") if p.is_file())
         problems = []
         if on_volume != visible:
             problems.append(f"{on_volume} bytes of blob files, {visible} bytes visible")
@@ -639,7 +659,8 @@ class Soak:
                        capture_output=True)
         self.crashes += 1
         if number % 3 == 2:
-            fsck = run_kvfs("fsck", "--data", str(self.data), "--repair")
+            time.sleep(2 * float(SESSION_TTL) if self.redis else 0)  # its heartbeat expires
+            fsck = run_kvfs("fsck", "--data", str(self.data), *self.meta_options, "--repair")
             if fsck.returncode != 0:
                 self.error(kind, f"round {number}: fsck --repair exited {fsck.returncode}: "
                                  f"{(fsck.stdout + fsck.stderr).strip()[-500:]}")
@@ -654,7 +675,7 @@ class Soak:
         for line in journal.of("start"):
             self.started[line[1]] = max(self.started.get(line[1], 0), int(line[2]))
         self.verify_crash_files(number)
-        self.space_check(kind)
+        self.space_check(kind, settle=self.recovery_seconds)
 
     def verify_crash_files(self, number: int) -> None:
         kind = "crash"
@@ -832,7 +853,7 @@ class Soak:
             number += 1
         self.unmount()
         started = time.monotonic()
-        fsck = run_kvfs("fsck", "--data", str(self.data))
+        fsck = run_kvfs("fsck", "--data", str(self.data), *self.meta_options)
         output = (fsck.stdout + fsck.stderr).strip()
         tally = self.tally("fsck")
         tally.rounds += 1
@@ -845,7 +866,7 @@ class Soak:
             signal.signal(sig, signal.SIG_IGN)
         for stuck in self.end_workers():
             self.console.print(f"[red]worker {stuck} would not die[/red]")
-        pid = self.pid or lock_pid(self.data)
+        pid = self.pid or Volume(self.data).daemon_pid(self.mountpoint)
         if pid and pid_alive(pid):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False,
                            capture_output=True)
@@ -855,6 +876,8 @@ class Soak:
         if self.mounted():
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False,
                            capture_output=True)
+        if self.redis:
+            self.redis.stop()
         if self.keep:
             self.console.print(f"kept the work directory {self.work}")
         elif self.mounted():
@@ -922,13 +945,6 @@ def run_kvfs(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def lock_pid(data: Path) -> int:
-    try:
-        return int((data / "kvfs.lock").read_text().strip())
-    except (OSError, ValueError):
-        return 0
-
-
 def pid_alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -972,6 +988,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--only", choices=sorted(set(ROUNDS)), action="append",
                         help="run only these rounds (repeatable; default all)")
+    parser.add_argument("--redis", action="store_true",
+                        help="soak the shared-pool engine (a redis-server of its own)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -987,6 +1005,8 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvfs-soak-", dir=args.workdir))
     soak = Soak(work, random.Random(seed), args.quick, args.keep, console,
                 only=set(args.only or ROUNDS))
+    if args.redis:
+        soak.redis = LocalRedis(work / "redis").start()
     console.print(f"kvfs soak for {seconds / 60:g} minutes in {work} (seed {seed})")
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
