@@ -27,8 +27,9 @@ Counters are added with HINCRBY inside the MULTI and read by nobody inside a cha
 the hot counters (used bytes, files, per-model usage) never make two changes conflict. Id
 stocks are taken with HINCRBY.
 
-When Redis cannot be reached, each call fails with EIO within about a second (and fails at
-once for the next half second); the pool of connections reconnects when Redis is back.
+When Redis cannot be reached, a request fails with EIO after two attempts (each at most 1 s to
+connect, 2 s to answer), and requests fail at once for the next half second; the pool of
+connections reconnects when Redis is back.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ CHANGE_ATTEMPTS = 64
 BACKOFF_BASE = 0.0005  # seconds before a conflicted change runs again, doubling ...
 BACKOFF_MAX = 0.05  # ... up to this (randomized: hosts that collided spread out)
 CONNECT_TIMEOUT = 1.0
-REQUEST_TIMEOUT = 5.0
+REQUEST_TIMEOUT = 2.0
+ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
@@ -260,7 +262,7 @@ class RedisEngine:
         self.url = url
         self.client = redis.Redis.from_url(
             url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=REQUEST_TIMEOUT,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), ATTEMPTS - 1))
         self._down_until = 0.0
         self.conflicts = 0
         self._room = (0.0, True)
