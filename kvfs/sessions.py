@@ -99,15 +99,19 @@ class Session:
             return
         while True:
             try:
-                await trio.to_thread.run_sync(self._beat, staged())
-                for blob_id in await trio.to_thread.run_sync(self._reap_dead):
+                for blob_id in await trio.to_thread.run_sync(self._upkeep, staged()):
                     want_sums(blob_id)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("session upkeep failed")
             await trio.sleep(self.ttl / 4)
 
-    def _beat(self, staged: int) -> None:
+    def _upkeep(self, staged: int) -> list[int]:
+        """One round (worker thread), on one read of the sessions: beat, then reap."""
+        sessions = self._beat(staged)
+        return self._reap_dead(sessions)
+
+    def _beat(self, staged: int) -> dict[bytes, bytes]:
         self.meta.engine.beat(self.id, self.ttl)
         self._beat_ok = time.monotonic()
         sessions = self.meta.sessions()
@@ -120,6 +124,7 @@ class Session:
         self.meta.register_session(self.id, json.dumps(self._record).encode())
         self.others_staged = sum(json.loads(raw).get("staged", 0)
                                  for session, raw in sessions.items() if session != self.id)
+        return sessions
 
     def _rejoin(self) -> None:
         """After being declared dead: the reaper took this session's staging directory, holds
@@ -129,12 +134,12 @@ class Session:
             self.meta.hold(blob_id, self.id)
         self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
 
-    def _reap_dead(self) -> list[int]:
+    def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[int]:
         """Claim and clean up after sessions seen dead long enough; returns pending blobs
         this host should now take the sums of."""
         now = time.monotonic()
         wanted: list[int] = []
-        for session, raw in self.meta.sessions().items():
+        for session, raw in sessions.items():
             if session == self.id or self.meta.engine.alive(session):
                 self._seen_dead.pop(session, None)
                 continue
