@@ -64,12 +64,13 @@ def tree(root: Path) -> dict[str, str]:
 def assert_pool_counters_exact(host: KvfsMount) -> None:
     """The pool's counters, as `host` shows them, equal a recount of its metadata, once every
     host's last report of its staged bytes is in (they report every TTL/4)."""
-    wait_for(lambda: shown_and_counted(host)[0] == shown_and_counted(host)[1], 2)
+    wait_for(lambda: settled(host), 5)
     assert_counters_exact(host.mountpoint, host.data)
 
 
-def shown_and_counted(host: KvfsMount) -> tuple[tuple, tuple]:
-    return counters_and_recount(host.mountpoint, host.data)
+def settled(host: KvfsMount) -> bool:
+    shown, counted = counters_and_recount(host.mountpoint, host.data)
+    return shown == counted
 
 
 def staged_files(data: Path) -> list[Path]:
@@ -101,7 +102,8 @@ def test_what_one_host_writes_every_other_reads_byte_exact(shared_pool, redis_se
     if reader["data_path"] == "passthrough":
         empty = hashlib.sha256(b"").hexdigest()
         assert reader["opens_passthrough"] >= sum(digest != empty for digest in written.values())
-    assert_pool_counters_exact(hosts[0])
+    for host in hosts:
+        assert_pool_counters_exact(host)
     shown = [stats(host.mountpoint) for host in hosts]
     assert {(s["used_bytes"], s["files"]) for s in shown} == {(shown[0]["used_bytes"],
                                                                 len(written))}
