@@ -14,9 +14,10 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvfs.meta import ROOT_INO, Inode, MetaStore
+from kvfs.offloop import off_loop
 from kvfs.passthrough import Passthrough
 from kvfs.records import fail
 from kvfs.space import Space
@@ -29,17 +30,23 @@ STATS_INO = (1 << 63) - 1
 FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
 
 
-def snapshot(meta: MetaStore, space: Space, stats: Stats, passthrough: Passthrough) -> dict:
-    usage = meta.usage()
+async def snapshot(meta: MetaStore, space: Space, stats: Stats,
+                   passthrough: Passthrough) -> dict:
+    """The mount's state, taken on the loop (the metadata read in a worker)."""
+    def read() -> tuple[int, int, dict[str, dict[str, int]]]:
+        hosts = len(meta.sessions()) if meta.engine.shared else 1
+        return meta.usage().files, hosts, meta.models()
+
+    files, hosts, models = await off_loop(read)
     return {
         "data_path": passthrough.mode(),
-        "capacity_bytes": space.capacity(),
-        "used_bytes": space.used(),
-        "files": usage.files,
+        "capacity_bytes": await space.capacity(),
+        "used_bytes": await space.used(),
+        "files": files,
         **stats.as_dict(),
         "metadata_conflicts": meta.engine.conflicts,
-        "hosts": len(meta.sessions()) if meta.engine.shared else 1,
-        "models": meta.models(),
+        "hosts": hosts,
+        "models": models,
     }
 
 
@@ -53,10 +60,10 @@ class ControlFiles:
         self.started_ns = time.time_ns()
         self._contents: dict[int, bytes] = {}
         self._next_fh = itertools.count(FIRST_HANDLE)
-        self._files: dict[int, Callable[[], bytes]] = {STATS_INO: self._stats_json}
+        self._files: dict[int, Callable[[], Awaitable[bytes]]] = {STATS_INO: self._stats_json}
 
-    def _stats_json(self) -> bytes:
-        state = snapshot(self.meta, self.space, self.stats, self.passthrough)
+    async def _stats_json(self) -> bytes:
+        state = await snapshot(self.meta, self.space, self.stats, self.passthrough)
         return json.dumps(state, indent=2).encode() + b"\n"
 
     def owns(self, ino: int) -> bool:
@@ -93,13 +100,13 @@ class ControlFiles:
             return [(STATS_NAME, self.attributes(STATS_INO))]
         return []
 
-    def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int) -> int:
         if ino == CONTROL_DIR_INO:
             raise fail(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise fail(errno.EACCES)
         fh = next(self._next_fh)
-        self._contents[fh] = self._files[ino]()
+        self._contents[fh] = await self._files[ino]()
         return fh
 
     def read(self, fh: int, offset: int, size: int) -> bytes:

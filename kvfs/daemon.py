@@ -115,7 +115,7 @@ class Daemon:
                                config.mountpoint, config.session_ttl)
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, self.session,
-                           is_open=self._is_open, evicted=self._evicted)
+                           open_inodes=self._open_inodes, evicted=self._evicted)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
         self.passthrough = Passthrough(config.passthrough)
@@ -126,6 +126,7 @@ class Daemon:
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
+        self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough,
                                          SHARED_CACHING if self.shared else ONE_HOST_CACHING)
@@ -133,8 +134,8 @@ class Daemon:
     def _staged(self) -> int:
         return self.space.inflight
 
-    def _is_open(self, ino: int) -> bool:
-        return self.files.is_open(ino)
+    def _open_inodes(self) -> frozenset[int]:
+        return self.files.open_inodes()
 
     async def _evicted(self, removed: list[Removed]) -> None:
         await self.files.evicted(removed)
@@ -162,9 +163,14 @@ class Daemon:
                                  f"{self.config.metrics_port}: {error.strerror}") from None
 
     def _snapshot(self) -> dict:
-        return snapshot(self.meta, self.space, self.stats, self.passthrough)
+        """For the metrics server's thread: the loop takes the snapshot."""
+        if self._trio_token is None:
+            raise RuntimeError("the mount is not serving yet")
+        return trio.from_thread.run(snapshot, self.meta, self.space, self.stats,
+                                    self.passthrough, trio_token=self._trio_token)
 
     async def serve(self) -> None:
+        self._trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)

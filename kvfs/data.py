@@ -318,7 +318,7 @@ class StagedFile:
         # hasher holds the block being filled, up to _stream_end (None: not streaming).
         self._hasher = xxhash.xxh3_64()
         self._stream_end: int | None = 0
-        self._seen = _file_state(self.fd)  # the file as kvfs last left it
+        self._seen: tuple[int, int] | None = _file_state(self.fd)  # as kvfs last left it
 
     @classmethod
     def again(cls, committed: StagedFile, blob_id: int) -> StagedFile:

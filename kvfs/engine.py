@@ -105,7 +105,7 @@ class Engine(Protocol):
 
 
 class _LmdbTxn:
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
         self._txn = txn
         self._dbs = dbs
 
@@ -149,7 +149,7 @@ class _LmdbTxn:
 class _LmdbSnapshot:
     """A read transaction as a context manager (a plain class: lookups are the hot path)."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
         self._txn = txn
         self._dbs = dbs
 
@@ -216,10 +216,10 @@ class LmdbEngine:
             self._committer.stop()
         self.env.close()
 
-    def begin_group(self) -> lmdb.Transaction:
+    def begin_group(self) -> lmdb.Transaction[bytes]:
         return self.env.begin(write=True)
 
-    def nested(self, parent: lmdb.Transaction) -> tuple[lmdb.Transaction, Txn]:
+    def nested(self, parent: lmdb.Transaction[bytes]) -> tuple[lmdb.Transaction[bytes], Txn]:
         txn = self.env.begin(write=True, parent=parent)
         return txn, _LmdbTxn(txn, self._dbs)
 
@@ -245,7 +245,7 @@ class _GroupCommitter:
     def _serve(self) -> None:
         stopping = False
         while not stopping:
-            group = []
+            group: list[tuple[Callable[[Txn], object], Future]] = []
             while not group or (len(group) < GROUP_MAX and not self._queue.empty()):
                 item = self._queue.get()
                 if item is None:
@@ -273,13 +273,13 @@ class _GroupCommitter:
         except BaseException as error:  # nothing of the group is committed
             failure = fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
             outcomes = [(None, failure)] * len(group)
-        for (_, future), (result, error) in zip(group, outcomes, strict=True):
-            if error is None:
+        for (_, future), (result, exc) in zip(group, outcomes, strict=True):
+            if exc is None:
                 future.set_result(result)
             else:
-                future.set_exception(error)
+                future.set_exception(exc)
 
-    def _apply(self, parent: lmdb.Transaction, change: Callable[[Txn], object]
+    def _apply(self, parent: lmdb.Transaction[bytes], change: Callable[[Txn], object]
                ) -> tuple[object, BaseException | None]:
         nested, txn = self.engine.nested(parent)
         try:

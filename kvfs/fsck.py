@@ -3,18 +3,24 @@
 Checks every directory entry and inode, every blob record against its data file (size and
 every block checksum), looks for data files no record names, and recounts usage. Repair drops
 files whose data is missing or damaged, reclaims orphaned data and fixes the counters.
+
+The repairs only fsck makes (`remove_entry`, `set_nlink`, `forget_blob`, `set_usage`) and
+`recount` live here, as functions of a `MetaStore` over its helpers (kvfs/meta/base.py).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kvfs.data import DataStore
-from kvfs.meta import ROOT_INO, Inode, MetaStore, recount
+from kvfs.engine import Txn
+from kvfs.meta import MODEL_BYTES, MODEL_FILES, ROOT_INO, Inode, MetaStore, u64
+from kvfs.models import model_of
 from kvfs.records import BlobInfo
 from kvfs.volume import Volume, VolumeError, finish_unlinks
 
@@ -100,7 +106,7 @@ class Checker:
             if ino not in inodes or parent not in inodes:
                 self.report(f"entry {name!r} in directory {parent} names missing inode {ino}")
                 if repair:
-                    self.meta.remove_entry(parent, name, ino)
+                    remove_entry(self.meta, parent, name, ino)
             else:
                 linked.add(ino)
                 names[ino] = names.get(ino, 0) + 1
@@ -110,7 +116,7 @@ class Checker:
                 self.report(f"{inode.name!r} (inode {ino}) has {count} names, nlink "
                             f"{inode.nlink}")
                 if repair:
-                    self.meta.set_nlink(ino, count)
+                    set_nlink(self.meta, ino, count)
         for ino in inodes.keys() - linked:
             self.report(f"inode {ino} ({inodes[ino].name!r}) is in no directory")
             if repair:
@@ -128,7 +134,7 @@ class Checker:
         for blob_id in blobs.keys() - owned.keys():
             self.report(f"data record {blob_id:016x} belongs to no file")
             if repair:
-                self.meta.forget_blob(blob_id)
+                forget_blob(self.meta, blob_id)
         total = sum(blobs[blob_id].size for blob_id in owned)
         with _progress(self.console) as progress:
             task = progress.add_task("verifying data", total=total)
@@ -168,9 +174,66 @@ class Checker:
             self.report(f"per-model usage says {self.meta.models()}, counted {models}")
         if repair and ((usage.used, usage.files) != (self.used, self.files)
                        or self.meta.models() != models):
-            self.meta.set_usage(self.used, self.files, models)
+            set_usage(self.meta, self.used, self.files, models)
 
 
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), console=console, transient=True)
+
+
+# -- repairs and recount (over the store's helpers: the namespace logic stays in kvfs/meta/) --
+
+
+def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
+    """What the usage counters should say, counted from the records: used bytes, files and
+    per-model usage (fsck and tests compare them with the counters)."""
+    used = sum(blob.allocated for blob in meta.blobs())
+    files = 0
+    models: dict[str, dict[str, int]] = {}
+    for inode in meta.inodes():
+        if inode.is_dir:
+            continue
+        files += 1
+        model = model_of(inode.name)
+        if model is not None:
+            counts = models.setdefault(model, {"files": 0, "bytes": 0})
+            counts["files"] += 1
+            counts["bytes"] += inode.allocated
+    return used, files, models
+
+
+def remove_entry(meta: MetaStore, parent: int, name: bytes, ino: int) -> None:
+    """Delete a directory entry whose inode is missing."""
+    def change(txn: Txn) -> None:
+        meta._unlink(txn, parent, name, ino)
+    meta._change(change)
+
+
+def set_nlink(meta: MetaStore, ino: int, nlink: int) -> None:
+    """Set a file's link count to the number of its names."""
+    def change(txn: Txn) -> None:
+        meta._put(txn, replace(meta._get(txn, ino), nlink=nlink))
+    meta._change(change)
+
+
+def forget_blob(meta: MetaStore, blob_id: int) -> None:
+    """Delete a blob record no inode points at (its data file goes with it)."""
+    def change(txn: Txn) -> None:
+        txn.delete("blob", u64(blob_id))
+        txn.put("doomed", u64(blob_id), b"")
+    meta._change(change)
+
+
+def set_usage(meta: MetaStore, used: int, files: int,
+              models: dict[str, dict[str, int]]) -> None:
+    """Reset the usage counters to what was counted (by adding the difference)."""
+    now = meta.usage()
+    def change(txn: Txn) -> None:
+        txn.add("counters", b"used_bytes", used - now.used)
+        txn.add("counters", b"files", files - now.files)
+        txn.clear("models")
+        for model, counts in models.items():
+            txn.add("models", model.encode() + MODEL_FILES, counts["files"])
+            txn.add("models", model.encode() + MODEL_BYTES, counts["bytes"])
+    meta._change(change)

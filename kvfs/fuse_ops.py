@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
-import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.handles import Caller, FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
+from kvfs.offloop import MetaReads, off_loop
 from kvfs.passthrough import Passthrough
 from kvfs.records import FsError
 from kvfs.space import Space
@@ -56,6 +56,7 @@ ONE_HOST_CACHING = KernelCaching(entry=1.0, negative=30.0)
 SHARED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
+READDIR_PAGE = 256  # entries read from the metadata store at once
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -111,8 +112,8 @@ class KernelNotifier:
 
     def names_removed(self, removed: Removed) -> None:
         for parent, name in removed.names:
-            self._queue.put(lambda parent=parent, name=name: pyfuse3.invalidate_entry(
-                parent, name, removed.inode.ino))
+            self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name,
+                                              removed.inode.ino))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -158,6 +159,7 @@ class KvfsOperations(pyfuse3.Operations):
         super().__init__()
         self.caching = caching
         self.meta = meta
+        self.read_meta = MetaReads(meta.engine.shared)
         self.files = files
         self.space = space
         self.stats = stats
@@ -173,9 +175,10 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             log.info("data path: kvfs serves every read (%s)", self.passthrough.refused)
 
-    def _attributes(self, ino: int) -> Inode:
-        return self.control.attributes(ino) if self.control.owns(ino) else \
-            self.files.attributes(ino)
+    async def _attributes(self, ino: int) -> Inode:
+        if self.control.owns(ino):
+            return self.control.attributes(ino)
+        return await self.files.attributes(ino)
 
     def _entry(self, inode: Inode) -> EntryAttributes:
         """Attributes of a file being written are not cached: its size and times change at
@@ -192,13 +195,14 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext
                      ) -> EntryAttributes:
         if name == b".":
-            return self._entry(self._attributes(parent_inode))
+            return self._entry(await self._attributes(parent_inode))
         if name == b"..":
-            return self._entry(self._attributes(self._attributes(parent_inode).parent))
+            parent = await self._attributes(parent_inode)
+            return self._entry(await self._attributes(parent.parent))
         control = self.control.lookup(parent_inode, name)
         if control is not None:
             return self._entry(control)
-        inode = self.meta.lookup(parent_inode, name)
+        inode = await self.read_meta(self.meta.lookup, parent_inode, name)
         if inode is None:
             self.stats.lookup_misses += 1
             return negative_entry(self.caching.negative)
@@ -207,7 +211,7 @@ class KvfsOperations(pyfuse3.Operations):
         return self._entry(inode)  # it has a name: not a file unlinked while open
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
-        return self._entry(self._attributes(inode))
+        return self._entry(await self._attributes(inode))
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
@@ -218,10 +222,10 @@ class KvfsOperations(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 await self.files.truncate(handle, attr.st_size)
             else:
-                await self.files.truncate_path(self.meta.get(inode), attr.st_size,
-                                              caller(ctx))
+                await self.files.truncate_path(await self.read_meta(self.meta.get, inode),
+                                               attr.st_size, caller(ctx))
                 self.notifier.attributes_changed(inode)
-        changed = {
+        changed: dict[str, int | None] = {
             "mode": attr.st_mode if fields.update_mode else None,
             "uid": attr.st_uid if fields.update_uid else None,
             "gid": attr.st_gid if fields.update_gid else None,
@@ -231,46 +235,49 @@ class KvfsOperations(pyfuse3.Operations):
         if not fields.update_size or any(value is not None for value in changed.values()):
             # Every attribute change is a ctime change, also one that changes nothing
             # (chown(f, -1, -1) arrives with no field set).
-            self.meta.set_attrs(inode, **changed)
+            await off_loop(self.meta.set_attrs, inode, mode=changed["mode"],
+                           uid=changed["uid"], gid=changed["gid"],
+                           atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"])
         if fields.update_size:  # the kernel's FUSE code clears setgid by an older rule
-            self.files.clear_privileges(inode, caller(ctx))
-        return self._entry(self.files.attributes(inode))
+            await self.files.clear_privileges(inode, caller(ctx))
+        return self._entry(await self.files.attributes(inode))
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        inode = self.meta.make(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
+        inode = await off_loop(self.meta.make, parent_inode, name, mode, ctx.uid, ctx.gid,
+                               rdev=rdev)
         return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = self.meta.make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid,
-                               ctx.gid)
+        inode = await off_loop(self.meta.make, parent_inode, name,
+                               stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.retire(self.meta.remove(parent_inode, name, is_dir=False))
+        self.files.retire(await off_loop(self.meta.remove, parent_inode, name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.meta.remove(parent_inode, name, is_dir=True)
+        await off_loop(self.meta.remove, parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        _, replaced = self.meta.rename(parent_inode_old, name_old, parent_inode_new,
-                                       name_new, flags)
+        _, replaced = await off_loop(self.meta.rename, parent_inode_old, name_old,
+                                     parent_inode_new, name_new, flags)
         if replaced is not None:
             self.files.retire(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = self.meta.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
-                               target=target)
+        inode = await off_loop(self.meta.make, parent_inode, name, stat.S_IFLNK | 0o777,
+                               ctx.uid, ctx.gid, target=target)
         return entry_attributes(inode, self.caching.entry)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
@@ -278,13 +285,13 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((new_parent_inode, new_name))
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        linked = self.meta.link(inode, new_parent_inode, new_name)
+        linked = await off_loop(self.meta.link, inode, new_parent_inode, new_name)
         return entry_attributes(linked, self.caching.entry)
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
             raise FUSEError(errno.EINVAL)
-        return self.meta.readlink(inode)
+        return await self.read_meta(self.meta.readlink, inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, _ in inode_list:
@@ -293,15 +300,22 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
-        if not self._attributes(inode).is_dir:
+        if not (await self._attributes(inode)).is_dir:
             raise FUSEError(errno.ENOTDIR)
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         timeout = self.caching.entry
-        for name, inode, cookie in self.meta.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout), cookie):
-                return
+        after = start_id
+        while True:  # in pages: a huge directory is never read whole
+            page = await self.read_meta(self.meta.readdir_page, fh, after, READDIR_PAGE)
+            for name, inode, cookie in page:
+                if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
+                                             cookie):
+                    return
+                after = cookie
+            if len(page) < READDIR_PAGE:
+                break
         for name, inode in self.control.entries(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
                                          inode.ino):
@@ -311,13 +325,13 @@ class KvfsOperations(pyfuse3.Operations):
         pass
 
     async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
-        capacity, used = self.space.capacity(), self.space.used()
+        capacity, used = await self.space.capacity(), await self.space.used()
         result = pyfuse3.StatvfsData()
         result.f_bsize = result.f_frsize = STATFS_BLOCK
         result.f_blocks = capacity // STATFS_BLOCK
         result.f_bfree = result.f_bavail = max(0, capacity - used) // STATFS_BLOCK
         result.f_ffree = result.f_favail = 1 << 32
-        result.f_files = self.meta.usage().files + result.f_ffree
+        result.f_files = (await self.read_meta(self.meta.usage)).files + result.f_ffree
         result.f_namemax = NAME_MAX
         return result
 
@@ -326,18 +340,22 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         self._refuse_control((parent_inode, name))
-        inode = self.meta.make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
-                               ctx.gid)
+        inode = await off_loop(self.meta.make, parent_inode, name,
+                               stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx), created=True)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
-            return FileInfo(fh=self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(self.meta.get(inode), flags, caller(ctx))
+            return FileInfo(fh=await self.control.open(inode, flags), direct_io=True)
+        opened = await self.files.open(await self.read_meta(self.meta.get, inode), flags,
+                                       caller(ctx))
         return opened.file_info()
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    # pyfuse3 sends any buffer (it takes the reply with the buffer protocol); its stub says
+    # bytes, and copying every read into bytes would cost a copy per request.
+    async def read(  # type: ignore[override]
+            self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
         if self.control.owns_handle(fh):
             return self.control.read(fh, off, size)
         return await self.files.read(fh, off, size)
@@ -357,7 +375,7 @@ class KvfsOperations(pyfuse3.Operations):
             return
         handle = self.files.handle(fh)
         if handle.staged is not None:
-            await trio.to_thread.run_sync(os.fdatasync, handle.staged.fd)
+            await off_loop(os.fdatasync, handle.staged.fd)
 
     async def release(self, fh: int) -> None:
         if self.control.owns_handle(fh):
@@ -373,19 +391,20 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        self.meta.setxattr(inode, name, value)
+        await off_loop(self.meta.setxattr, inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
         if not name.startswith(USER_XATTR) or self.control.owns(inode):
             raise FUSEError(errno.ENODATA)
-        return self.meta.getxattr(inode, name)
+        return await self.read_meta(self.meta.getxattr, inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
-        return [] if self.control.owns(inode) else self.meta.listxattr(inode)
+        return [] if self.control.owns(inode) else await self.read_meta(self.meta.listxattr,
+                                                                        inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        self.meta.removexattr(inode, name)
+        await off_loop(self.meta.removexattr, inode, name)

@@ -52,10 +52,12 @@ from kvfs.data import (
     ChecksumError,
     DataStore,
     StagedFile,
+    allocated_bytes,
     check_file_size,
     writable_length,
 )
 from kvfs.meta import Inode, MetaStore, Removed
+from kvfs.offloop import MetaReads, off_loop
 from kvfs.passthrough import LateHasher, Passthrough, Verifier
 from kvfs.records import BlobInfo, FsError, fail
 from kvfs.sessions import Session
@@ -84,6 +86,18 @@ class Handle:
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
+    changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
+
+    def own_size(self) -> tuple[int, int] | None:
+        """The size and allocated bytes of what this writer has written and not yet
+        committed (None: nothing): what it sees of its own file, as on a local disk."""
+        staged = self.staged
+        if staged is None or staged.committed and not self.backing:
+            return None
+        if self.backing:  # the kernel writes straight into the file: ask the volume
+            size = os.fstat(staged.fd).st_size
+            return size, allocated_bytes(staged.fd, size)
+        return (staged.size, staged.physical) if staged.changed else None
 
 
 @dataclass(eq=False)
@@ -122,7 +136,8 @@ class Opened:
     def file_info(self) -> FileInfo:
         info = FileInfo(fh=self.fh, direct_io=self.direct_io, keep_cache=self.keep_cache)
         if self.backing_id:
-            info.backing_id = self.backing_id
+            # kvfs's pyfuse3 patch adds FileInfo.backing_id (not in pyfuse3's stubs).
+            info.backing_id = self.backing_id  # type: ignore[attr-defined]
         if self.read_only and hasattr(info, "noflush"):  # kvfs's pyfuse3 patch
             info.noflush = True  # its close has nothing to commit: no FLUSH round trip
         return info
@@ -167,6 +182,7 @@ class FileTable:
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
+        self.read_meta = MetaReads(meta.engine.shared)
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
@@ -182,6 +198,7 @@ class FileTable:
         self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
         self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
         self._next_fh = count(1)
+        self._clock = count(1)  # orders writers' changes: the latest one's size is shown
         self._opening: Counter[int] = Counter()  # opens under way, per inode
         self._blob_ids: range = range(0)
         self._doomed: list[int] = []  # blobs whose data files the reaper deletes
@@ -193,13 +210,26 @@ class FileTable:
 
     # -- attributes ----------------------------------------------------------------------
 
-    def attributes(self, ino: int) -> Inode:
-        """The committed inode (also of files unlinked while open)."""
+    async def attributes(self, ino: int) -> Inode:
+        """The committed inode (also of files unlinked while open), with the size of what
+        its latest writer on this host wrote: the kernel keeps one size per inode, and a
+        writer's fstat and SEEK_END must see its own writes (other handles still read the
+        version they opened)."""
         state = self._open.get(ino)
-        return state.inode if state and state.unlinked else self.meta.get(ino)
+        inode = (state.inode if state and state.unlinked
+                 else await self.read_meta(self.meta.get, ino))
+        state = self._open.get(ino)  # (it may have changed meanwhile)
+        if state is None:
+            return inode
+        sizes = [(handle.changed_at, own) for handle in state.handles
+                 if handle.writable and (own := handle.own_size()) is not None]
+        if not sizes:
+            return inode
+        size, allocated = max(sizes)[1]
+        return replace(inode, size=size, allocated=allocated)
 
-    def is_open(self, ino: int) -> bool:
-        return ino in self._open
+    def open_inodes(self) -> frozenset[int]:
+        return frozenset(self._open)
 
     def has_writer(self, ino: int) -> bool:
         state = self._open.get(ino)
@@ -237,8 +267,9 @@ class FileTable:
             inode, blob = await self._content(inode.ino)
         inode, blob = await self._hold(inode, blob)
         try:
-            fd = self._open_blob(inode, blob)
+            fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
+                assert blob is not None and fd is not None  # a blob: _open_blob opened it
                 await self._verify_whole(inode, blob, fd)
             if self._backing_conflict(inode.ino, writable, flags, blob):
                 if fd is not None:
@@ -246,7 +277,7 @@ class FileTable:
                 raise fail(errno.EBUSY)  # passthrough readers of another version stay open
         except BaseException:
             if blob is not None:
-                self.session.release(blob.blob_id)
+                await self.session.release(blob.blob_id)
             raise
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd,
@@ -260,7 +291,7 @@ class FileTable:
         self._handles[handle.fh] = handle
         if writable and flags & os.O_TRUNC:
             await self.truncate(handle, 0)
-            self._clear_privileges(handle)  # truncation by open is a write: it clears them
+            await self._clear_privileges(handle)  # truncation by open is a write: it clears them
         if self.passthrough.available():
             if writable:
                 return await self._open_writer(state, handle, flags, created)
@@ -283,14 +314,14 @@ class FileTable:
         """The inode and its blob record, with block sums: those of a blob the kernel wrote
         are taken first if the background has not yet (EIO, the file dropped, if its data
         file is not what was committed)."""
-        inode, blob = self.meta.content(ino)
+        inode, blob = await self.read_meta(self.meta.content, ino)
         if blob is not None and blob.pending:
             try:
                 await self.hasher.settle(blob.blob_id)
             except ChecksumError as error:
-                self._drop_damaged(inode, str(error), blob)
+                await self._drop_damaged(inode, str(error), blob)
                 raise fail(errno.EIO) from None
-            inode, blob = self.meta.content(ino)
+            inode, blob = await self.read_meta(self.meta.content, ino)
         return inode, blob
 
     async def _hold(self, inode: Inode, blob: BlobInfo | None
@@ -299,17 +330,17 @@ class FileTable:
         hold is recorded first and the inode read again: a blob that another host replaced
         in between may already be on its way out, so the new one is held instead."""
         while blob is not None:
-            self.session.hold(blob.blob_id)
+            await self.session.hold(blob.blob_id)
             if not self.session.shared:
                 break
             try:
                 again, again_blob = await self._content(inode.ino)
             except BaseException:
-                self.session.release(blob.blob_id)  # removed meanwhile, by another host
+                await self.session.release(blob.blob_id)  # removed meanwhile, by another host
                 raise
             if again_blob is not None and again_blob.blob_id == blob.blob_id:
                 return again, again_blob
-            self.session.release(blob.blob_id)
+            await self.session.release(blob.blob_id)
             inode, blob = again, again_blob
         return inode, blob
 
@@ -338,7 +369,7 @@ class FileTable:
             await self.verifier.verify(fd, blob)
         except ChecksumError as error:
             os.close(fd)
-            self._drop_damaged(inode, str(error), blob)
+            await self._drop_damaged(inode, str(error), blob)
             raise fail(errno.EIO) from None
         except BaseException:
             os.close(fd)
@@ -376,7 +407,7 @@ class FileTable:
         if (not created or flags & os.O_DIRECT or len(state.handles) > 1
                 or state.writers_waiting or self._opening[inode.ino] > 1):
             return self._served_writer(handle)
-        staged = self._staged(handle)
+        staged = await self._staged(handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
@@ -385,6 +416,7 @@ class FileTable:
             return self._served_writer(handle)
         state.backing = Backing(staged.blob_id, backing_id, writable=True)
         handle.backing = True
+        handle.changed_at = next(self._clock)
         self.stats.write_opens_passthrough += 1
         return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
 
@@ -419,15 +451,15 @@ class FileTable:
                 and self._open.get(state.inode.ino) is state):
             del self._open[state.inode.ino]
 
-    def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
+    async def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
             return None
         try:
             return self.data.open_blob(blob.blob_id)
         except FileNotFoundError:
-            if not self.meta.is_committed_blob(blob.blob_id):
+            if not await self.read_meta(self.meta.is_committed_blob, blob.blob_id):
                 raise fail(errno.ENOENT) from None  # evicted or replaced just now
-            self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
+            await self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None
 
     def handle(self, fh: int) -> Handle:
@@ -445,8 +477,6 @@ class FileTable:
             self.space.inflight -= handle.reserved
             if handle.fd is not None:
                 os.close(handle.fd)
-            if handle.blob is not None:
-                self.session.release(handle.blob.blob_id)
             state = self._open[handle.ino]
             state.handles.discard(handle)
             if handle.backing and state.backing is not None:
@@ -458,6 +488,8 @@ class FileTable:
                 state.kernel_users_gone.set()
                 state.kernel_users_gone = None
             self._forget_if_unused(state)
+            if handle.blob is not None:
+                await self.session.release(handle.blob.blob_id)
 
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""
@@ -510,7 +542,7 @@ class FileTable:
             self._reap_wanted = trio.Event()
             doomed, self._doomed = self._doomed, []
             try:
-                await trio.to_thread.run_sync(self._reap, doomed)
+                await off_loop(self._reap, doomed)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("deleting %d data files failed; recovery retries them",
@@ -529,7 +561,7 @@ class FileTable:
             self.retire(victim, behind_kernel=True)
         doomed, self._doomed = self._doomed, []
         if doomed:
-            await trio.to_thread.run_sync(self._reap, doomed)
+            await off_loop(self._reap, doomed)
 
     def _reap(self, doomed: list[int]) -> None:
         for blob_id in doomed:
@@ -538,18 +570,21 @@ class FileTable:
 
     # -- data ----------------------------------------------------------------------------
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         handle = self.handle(fh)
         self.space.touch(handle.ino)
+        data: bytes | bytearray | memoryview
         if handle.staged is not None:
             data = handle.staged.read(offset, size)
         elif handle.blob is None:
             data = b""
         else:
+            assert handle.fd is not None  # a handle's blob and its open file go together
             try:
                 data = await self.cache.read(handle.fd, handle.blob, offset, size)
             except ChecksumError as error:
-                self._drop_damaged(self._open[handle.ino].inode, str(error), handle.blob)
+                await self._drop_damaged(self._open[handle.ino].inode, str(error),
+                                         handle.blob)
                 raise fail(errno.EIO) from None
         self.stats.bytes_read += len(data)
         return data
@@ -557,34 +592,36 @@ class FileTable:
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handle(fh)
         async with handle.lock:
-            staged = self._staged(handle)
+            staged = await self._staged(handle)
             if handle.append:
                 offset = staged.size
-            data = memoryview(data)[: writable_length(offset, len(data))]
-            written = await self._change(staged, staged.growth_bound(offset, len(data)),
-                                         lambda: staged.write(offset, data))
+            chunk = memoryview(data)[: writable_length(offset, len(data))]
+            written = await self._change(staged, staged.growth_bound(offset, len(chunk)),
+                                         lambda: staged.write(offset, chunk))
+            handle.changed_at = next(self._clock)
         self.stats.bytes_written += written
-        self._clear_privileges(handle)
+        await self._clear_privileges(handle)
         return written
 
-    def _clear_privileges(self, handle: Handle) -> None:
+    async def _clear_privileges(self, handle: Handle) -> None:
         """On a handle's first write, as Linux does (once: later writes find nothing)."""
         if handle.kill_privs is not None:
-            self.clear_privileges(handle.ino, handle.kill_privs)
-            handle.kill_privs = None
+            writer, handle.kill_privs = handle.kill_privs, None
+            await self.clear_privileges(handle.ino, writer)
 
-    def clear_privileges(self, ino: int, writer: Caller) -> None:
+    async def clear_privileges(self, ino: int, writer: Caller) -> None:
         """A write or truncate by `writer` clears setuid/setgid as Linux would."""
-        bits = privileges_to_clear(self.attributes(ino), writer)
+        bits = privileges_to_clear(await self.attributes(ino), writer)
         if bits:
-            self.meta.set_attrs(ino, clear_mode=bits)
+            await off_loop(self.meta.set_attrs, ino, clear_mode=bits)
             self.on_attributes_changed(ino)
 
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:
-            staged = self._staged(handle, fresh=True)
+            staged = await self._staged(handle, fresh=True)
             await self._change(staged, staged.truncate_growth_bound(size),
                                lambda: staged.truncate(size))
+            handle.changed_at = next(self._clock)
 
     async def truncate_path(self, inode: Inode, size: int, caller: Caller) -> Inode:
         """truncate(2) without a handle: a write handle opened, resized and closed at once.
@@ -599,9 +636,9 @@ class FileTable:
             raise
         finally:
             await self.release(opened.fh)
-        return self.attributes(inode.ino)
+        return await self.attributes(inode.ino)
 
-    def _staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
+    async def _staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
         """The handle's staged file, made on its first change. Of a passthrough writer,
         with what the kernel wrote into it; after a commit, a new one over the same data
         when the kernel wrote again or `fresh` (a change is coming)."""
@@ -609,19 +646,20 @@ class FileTable:
             raise fail(errno.EBADF)
         staged = handle.staged
         if handle.backing and staged is not None:
-            return self._take_kernel_writes(handle, staged, fresh)
+            return await self._take_kernel_writes(handle, staged, fresh)
         if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            handle.staged = StagedFile(self.data, self._new_blob_id(), handle.fd, handle.blob)
+            handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
+                                       handle.blob)
         return handle.staged
 
-    def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
-                            fresh: bool) -> StagedFile:
+    async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
+                                  fresh: bool) -> StagedFile:
         if staged.committed:
             if not (fresh or staged.kernel_wrote()):
                 return staged
-            handle.staged = StagedFile.again(staged, self._new_blob_id())
+            handle.staged = StagedFile.again(staged, await self._new_blob_id())
             self._discard_staged_file(staged)
             self.space.inflight += handle.staged.physical
             return handle.staged
@@ -630,9 +668,9 @@ class FileTable:
         self.space.inflight += staged.physical - before
         return staged
 
-    def _new_blob_id(self) -> int:
-        if not self._blob_ids:
-            self._blob_ids = self.meta.allocate_blob_ids(BLOB_ID_BATCH)
+    async def _new_blob_id(self) -> int:
+        while not self._blob_ids:  # (another task may take the stock while this one waits)
+            self._blob_ids = await off_loop(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
         blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
         return blob_id
 
@@ -656,7 +694,7 @@ class FileTable:
             if staged is None:
                 return False
             if handle.backing:
-                staged = self._staged(handle)
+                staged = await self._staged(handle)
             if not staged.changed:  # every change it tried failed: no new version
                 if not handle.backing:  # (the kernel may still write into a writer's file)
                     self._discard_staged(handle)
@@ -664,7 +702,7 @@ class FileTable:
             if not staged.committed and not await self._commit(handle, staged):
                 return False
             if not staged.published:  # failed right after the commit: try again, or say why
-                await trio.to_thread.run_sync(staged.publish)
+                await off_loop(staged.publish)
             self._publishing_over(staged.blob_id)
             self.verifier.written(staged.blob_id, staged.fd)
             staged.changed = False
@@ -677,12 +715,12 @@ class FileTable:
         # Marked and held before the commit: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
         self._publishing.add(staged.blob_id)
-        self.session.hold(staged.blob_id)
+        await self.session.hold(staged.blob_id)
         try:
-            blob, inode, old_blob = await trio.to_thread.run_sync(
+            blob, inode, old_blob = await off_loop(
                 self._finish_and_commit, handle.ino, staged, handle.backing)
         except BaseException as error:
-            self.session.release(staged.blob_id)
+            await self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
             if not isinstance(error, FsError) or error.errno != errno.ENOENT:
                 raise
@@ -697,9 +735,9 @@ class FileTable:
         old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
         if old_fd is not None:
             os.close(old_fd)
-        if handle.blob is not None:
-            self.session.release(handle.blob.blob_id)
-        handle.blob, handle.version = blob, inode.version
+        previous, handle.blob, handle.version = handle.blob, blob, inode.version
+        if previous is not None:
+            await self.session.release(previous.blob_id)
         self._open[handle.ino].inode = inode
         self.stats.commits += 1
         return True
@@ -732,17 +770,19 @@ class FileTable:
             self.space.inflight -= staged.physical
         staged.discard()
 
-    def _drop_damaged(self, inode: Inode, reason: str, blob: BlobInfo | None = None) -> None:
+    async def _drop_damaged(self, inode: Inode, reason: str,
+                            blob: BlobInfo | None = None) -> None:
         """Never serve bad bytes: count, log and drop the file so readers see a miss."""
         self.stats.checksum_errors += 1
         log.error("dropping %r (ino %d): %s", inode.name, inode.ino, reason)
         try:
-            current = None if self._is_unlinked(inode.ino) else self.meta.get(inode.ino)
+            current = (None if self._is_unlinked(inode.ino)
+                       else await self.read_meta(self.meta.get, inode.ino))
         except FileNotFoundError:
             current = None
         if current is None or (blob is not None and current.blob != blob.blob_id):
             return  # already replaced or removed: only this snapshot was bad
-        for removed in self.meta.drop_files([inode.ino]):
+        for removed in await off_loop(self.meta.drop_files, [inode.ino]):
             self.retire(removed, behind_kernel=True)
 
     def _is_unlinked(self, ino: int) -> bool:

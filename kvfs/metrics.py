@@ -29,6 +29,16 @@ class KvfsCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict]) -> None:
         self.snapshot = snapshot
 
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The metrics' names, for registration (before the mount serves: no snapshot)."""
+        for name, text in GAUGES.items():
+            yield GaugeMetricFamily(f"kvfs_{name}", text)
+        for name, text in COUNTERS.items():
+            yield CounterMetricFamily(f"kvfs_{name}", text)
+        for field in ("files", "bytes"):
+            yield GaugeMetricFamily(f"kvfs_model_{field}", f"{field} per model",
+                                    labels=["model"])
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = self.snapshot()
         for name, text in GAUGES.items():

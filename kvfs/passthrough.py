@@ -34,6 +34,7 @@ import trio
 
 from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, ChecksumError, DataStore, block_sums
 from kvfs.meta import MetaStore
+from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo
 from kvfs.stats import Stats
 
@@ -67,7 +68,9 @@ class Passthrough:
     def available(self) -> bool:
         if self.refused:
             return False
-        if not pyfuse3.passthrough_enabled():
+        # kvfs's pyfuse3 patch adds passthrough_enabled and get_session_fd (checked in
+        # __init__); pyfuse3's stubs do not list them.
+        if not pyfuse3.passthrough_enabled():  # type: ignore[attr-defined]
             self.refused = "the kernel did not grant FUSE passthrough"
             log.warning("data path: kvfs serves reads itself: %s", self.refused)
             return False
@@ -81,7 +84,8 @@ class Passthrough:
         passthrough is off for the mount if it refuses for good)."""
         request = bytearray(_BACKING_MAP.pack(fd, 0, 0))
         try:
-            return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+            return fcntl.ioctl(pyfuse3.get_session_fd(),  # type: ignore[attr-defined]
+                               FUSE_DEV_IOC_BACKING_OPEN, request)
         except OSError as error:
             if error.errno in (errno.EPERM, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
                 self.refused = f"registering a backing file: {error.strerror}"
@@ -92,7 +96,8 @@ class Passthrough:
 
     def unregister(self, backing_id: int) -> None:
         try:
-            fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_CLOSE,
+            fcntl.ioctl(pyfuse3.get_session_fd(),  # type: ignore[attr-defined]
+                        FUSE_DEV_IOC_BACKING_CLOSE,
                         bytearray(struct.pack("I", backing_id)))
         except OSError as error:
             log.warning("unregistering backing file %d failed: %s", backing_id, error)
@@ -157,15 +162,17 @@ class Verifier:
         async with self._free:
             buffer = self._buffers.pop()
             try:
-                done = await trio.to_thread.run_sync(self.data.check_run, fd, info, first,
-                                                     count, buffer)
+                done = await off_loop(self.data.check_run, fd, info, first, count, buffer)
             finally:
                 self._buffers.append(buffer)
         self.stats.verified_bytes += done
 
     def written(self, blob_id: int, fd: int) -> None:
         """kvfs just wrote and hashed this blob: its page cache holds what was checksummed."""
-        self._verified[blob_id] = _file_mark(fd)
+        self.mark(blob_id, _file_mark(fd))
+
+    def mark(self, blob_id: int, mark: tuple[int, int]) -> None:
+        self._verified[blob_id] = mark
 
     def forget(self, blob_id: int) -> None:
         self._verified.pop(blob_id, None)
@@ -240,18 +247,23 @@ class LateHasher:
             await running.wait()
         self._running[blob_id] = trio.Event()
         try:
-            await trio.to_thread.run_sync(self._settle, blob_id)
+            mark = await off_loop(self._settle, blob_id)
+            if mark is not None:
+                self.verifier.mark(blob_id, mark)  # what was just hashed is in memory
+                self.stats.hashed_after_close += 1
         finally:
             self._running.pop(blob_id).set()
 
-    def _settle(self, blob_id: int) -> None:
+    def _settle(self, blob_id: int) -> tuple[int, int] | None:
+        """Take and record the sums (worker thread); returns the data file's mark if it
+        did, None if there was nothing to do."""
         info = self.meta.blob_info(blob_id)
         if info is None or not info.pending:
-            return
+            return None
         try:
             fd = self.data.open_blob(blob_id)
         except FileNotFoundError:
-            return  # removed meanwhile
+            return None  # removed meanwhile
         try:
             size = os.fstat(fd).st_size
             if size != info.size:
@@ -259,9 +271,7 @@ class LateHasher:
                                     f"expected {info.size}")
             # One thread: the writers and readers keep the other cores.
             sums = block_sums(fd, info.size, side_by_side=False)
-            if self.meta.settle(blob_id, sums) is not None:
-                self.verifier.written(blob_id, fd)  # what was just hashed is in memory
-                self.stats.hashed_after_close += 1
+            return _file_mark(fd) if self.meta.settle(blob_id, sums) is not None else None
         finally:
             os.close(fd)
 

@@ -21,6 +21,8 @@ class FsError(OSError):
     """A refusal kvfs answers on purpose (ENOENT, EEXIST, ...), as opposed to an error of the
     volume underneath: the FUSE layer logs and counts only the latter."""
 
+    errno: int  # always set (made by `fail`); OSError's may be None
+
 
 def fail(code: int) -> FsError:
     return FsError(code, errno.errorcode.get(code, str(code)))

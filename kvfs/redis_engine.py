@@ -42,7 +42,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
 import redis
@@ -70,14 +70,36 @@ ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
 
 
+# The client is made without decode_responses (redis-py's default: False), so every reply
+# is bytes; redis-py's annotations cover both settings (bytes | str). Replies are narrowed
+# here, once, for the type checker (casts: nothing changes at run time).
+
+
+def _reply(reply: bytes | str | None) -> bytes | None:
+    return cast("bytes | None", reply)
+
+
+def _replies(replies: list[bytes | str | None]) -> list[bytes | None]:
+    return cast("list[bytes | None]", replies)
+
+
+def _keys(replies: list[bytes | str]) -> list[bytes]:
+    return cast("list[bytes]", replies)
+
+
 def _record_key(family: str, key: bytes) -> bytes:
     return PREFIX + family.encode() + b":" + key
+
+
+def _partition_key(family: str, key: bytes) -> bytes:
+    """The sorted set of a PARTITIONED family that indexes `key`."""
+    return PREFIX + family.encode() + b"/" + key[:8].hex().encode()
 
 
 def _set_key(family: str, key: bytes) -> bytes | None:
     """The sorted set that indexes `key` of `family`, if the family has sets."""
     if family in PARTITIONED:
-        return PREFIX + family.encode() + b"/" + key[:8].hex().encode()
+        return _partition_key(family, key)
     shards = INDEXED.get(family)
     if shards is None:
         return None
@@ -88,7 +110,7 @@ def _set_key(family: str, key: bytes) -> bytes | None:
 def _set_keys(family: str, start: bytes) -> list[bytes]:
     """The sets a scan of `family` from `start` walks."""
     if family in PARTITIONED:
-        return [_set_key(family, start.ljust(8, b"\0"))]
+        return [_partition_key(family, start.ljust(8, b"\0"))]
     return [PREFIX + family.encode() + b"/" + str(shard).encode()
             for shard in range(INDEXED[family])]
 
@@ -112,25 +134,27 @@ class _Reader:
         pass
 
     def get(self, family: str, key: bytes) -> bytes | None:
-        return self.engine.call(self.client.get, _record_key(family, key))
+        return _reply(self.engine.call(self.client.get, _record_key(family, key)))
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        return self.engine.call(self.client.mget, [_record_key(family, key) for key in keys])
+        return _replies(self.engine.call(self.client.mget,
+                                         [_record_key(family, key) for key in keys]))
 
     def count(self, family: str, key: bytes) -> int:
         raw = self.engine.call(self.client.hget, _counter_key(family), key)
         return int(raw) if raw is not None else 0
 
     def counts(self, family: str) -> dict[bytes, int]:
-        raw = self.engine.call(self.client.hgetall, _counter_key(family))
+        raw = cast("dict[bytes, bytes]",  # bytes replies (see _reply)
+                   self.engine.call(self.client.hgetall, _counter_key(family)))
         return {key: int(value) for key, value in sorted(raw.items())}
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         yield from self.engine.scan_stored(self.client, family, start)
 
-    def put(self, family: str, key: bytes, value: bytes) -> None:
+    def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
     delete = pop = clear = add = discard = put
@@ -161,7 +185,7 @@ class _Change:
         record = _record_key(family, key)
         if record not in self.read:
             self._watch(record)
-            self.read[record] = self.pipe.get(record)
+            self.read[record] = _reply(self.pipe.get(record))
         return self.read[record]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
@@ -175,7 +199,7 @@ class _Change:
             if unwatched:
                 self.watched.update(unwatched)
                 self.pipe.watch(*unwatched)
-            self.read.update(zip(unread, self.pipe.mget(unread), strict=True))
+            self.read.update(zip(unread, _replies(self.pipe.mget(unread)), strict=True))
         return [self.writes[family, key] if (family, key) in self.writes
                 else self.read[records[key]] for key in keys]
 
@@ -379,17 +403,18 @@ class RedisEngine:
         keys = [key for key in keys if key >= start]
         for first in range(0, len(keys), PAGE):
             page = keys[first:first + PAGE]
-            values = self.call(self.client.mget, [_record_key(family, k) for k in page])
+            values = _replies(self.call(self.client.mget,
+                                        [_record_key(family, k) for k in page]))
             yield from ((k, v) for k, v in zip(page, values, strict=True) if v is not None)
 
     def _walk_set(self, conn: redis.Redis | redis.client.Pipeline, set_key: bytes,
                   family: str, start: bytes) -> Iterator[tuple[bytes, bytes]]:
         low = b"[" + start
         while True:
-            keys = self.call(conn.zrangebylex, set_key, low, b"+", 0, PAGE)
+            keys = _keys(self.call(conn.zrangebylex, set_key, low, b"+", 0, PAGE))
             if not keys:
                 return
-            values = self.call(conn.mget, [_record_key(family, key) for key in keys])
+            values = _replies(self.call(conn.mget, [_record_key(family, key) for key in keys]))
             for key, value in zip(keys, values, strict=True):
                 if value is not None:
                     yield key, value

@@ -22,19 +22,23 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from kvfs.data import DataStore
 from kvfs.meta import MetaStore, u64
+from kvfs.offloop import off_loop
 from kvfs.passthrough import boot_id
 from kvfs.stats import Stats
 from kvfs.volume import Volume
@@ -52,6 +56,16 @@ def new_session_id(meta: MetaStore) -> bytes:
     return meta.session
 
 
+@dataclass(frozen=True)
+class UpkeepRound:
+    """What one upkeep round found, for the loop to apply."""
+
+    others_staged: int  # bytes other hosts' writers have staged
+    lost: bool  # this session had been declared dead (and has rejoined)
+    reaped: int  # dead sessions this host cleaned up after
+    want_sums: list[int]  # their pending blobs, to be hashed here
+
+
 class Session:
     def __init__(self, volume: Volume, meta: MetaStore, data: DataStore, stats: Stats,
                  mountpoint: Path, ttl: float = DEFAULT_TTL) -> None:
@@ -64,11 +78,13 @@ class Session:
         self.id = meta.session
         self.others_staged = 0  # bytes other hosts' writers have staged (last heard)
         self._held: Counter[int] = Counter()
+        self._recording_locks: dict[int, trio.Lock] = {}
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
         self._beat_ok = time.monotonic()
         self._sweep_wanted = trio.Event()
-        self._record = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
-                        "mountpoint": str(mountpoint), "staged": 0}
+        self._record: dict[str, Any] = {  # JSON: the session's record
+            "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
+            "mountpoint": str(mountpoint), "staged": 0}
         if self.shared:
             meta.engine.beat(self.id, ttl)
             meta.register_session(self.id, json.dumps(self._record).encode())
@@ -76,20 +92,45 @@ class Session:
 
     # -- holds ---------------------------------------------------------------------------
 
-    def hold(self, blob_id: int) -> None:
-        """This host has `blob_id` open (before it opens the data file)."""
-        if self.shared and not self._held[blob_id]:
-            self.meta.hold(blob_id, self.id)
-        self._held[blob_id] += 1
-        self.stats.blobs_held = len(self._held)
-
-    def release(self, blob_id: int) -> None:
-        self._held[blob_id] -= 1
-        if self._held[blob_id] <= 0:
-            del self._held[blob_id]
+    async def hold(self, blob_id: int) -> None:
+        """This host has `blob_id` open (before it opens the data file). In a shared pool
+        the first hold and the last release of a blob are recorded in the engine, one at a
+        time per blob, so that they reach it in the order they were made."""
+        if not self.shared:
+            self._held[blob_id] += 1
+            return
+        async with self._recording(blob_id):
+            if not self._held[blob_id]:
+                await off_loop(self.meta.hold, blob_id, self.id)
+            self._held[blob_id] += 1
             self.stats.blobs_held = len(self._held)
-            if self.shared:
-                self.meta.release(blob_id, self.id)
+
+    async def release(self, blob_id: int) -> None:
+        if not self.shared:
+            self._drop_hold(blob_id)
+            return
+        async with self._recording(blob_id):
+            if self._drop_hold(blob_id):
+                await off_loop(self.meta.release, blob_id, self.id)
+
+    def _drop_hold(self, blob_id: int) -> bool:
+        """One hold less; returns whether it was the last."""
+        self._held[blob_id] -= 1
+        if self._held[blob_id] > 0:
+            return False
+        del self._held[blob_id]
+        self.stats.blobs_held = len(self._held)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _recording(self, blob_id: int) -> AsyncIterator[None]:
+        lock = self._recording_locks.setdefault(blob_id, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._recording_locks.pop(blob_id, None)
 
     # -- upkeep --------------------------------------------------------------------------
 
@@ -99,45 +140,49 @@ class Session:
             return
         while True:
             try:
-                for blob_id in await trio.to_thread.run_sync(self._upkeep, staged()):
+                round_ = await off_loop(self._upkeep, staged(), list(self._held))
+                self.others_staged = round_.others_staged
+                self.stats.sessions_lost += round_.lost
+                self.stats.sessions_reaped += round_.reaped
+                for blob_id in round_.want_sums:
                     want_sums(blob_id)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("session upkeep failed")
             await trio.sleep(self.ttl / 4)
 
-    def _upkeep(self, staged: int) -> list[int]:
-        """One round (worker thread), on one read of the sessions: beat, then reap."""
-        sessions = self._beat(staged)
-        return self._reap_dead(sessions)
-
-    def _beat(self, staged: int) -> dict[bytes, bytes]:
+    def _upkeep(self, staged: int, held: list[int]) -> UpkeepRound:
+        """One round (worker thread; `_seen_dead`, `_beat_ok` and `_record` are the rounds'
+        own), on one read of the sessions: beat, then reap. `held`: the blobs this host
+        holds, as the loop saw them when the round began."""
         self.meta.engine.beat(self.id, self.ttl)
         self._beat_ok = time.monotonic()
         sessions = self.meta.sessions()
-        if self.id not in sessions:
+        lost = self.id not in sessions
+        if lost:
             log.error("session %s was declared dead by another host (stalled for more than "
                       "%.0f s?): registering again", self.id.hex(), self.ttl)
-            self.stats.sessions_lost += 1
-            self._rejoin()
+            self._rejoin(held)
         self._record["staged"] = staged
         self.meta.register_session(self.id, json.dumps(self._record).encode())
-        self.others_staged = sum(json.loads(raw).get("staged", 0)
-                                 for session, raw in sessions.items() if session != self.id)
-        return sessions
+        others = sum(json.loads(raw).get("staged", 0)
+                     for session, raw in sessions.items() if session != self.id)
+        reaped, want_sums = self._reap_dead(sessions)
+        return UpkeepRound(others, lost, reaped, want_sums)
 
-    def _rejoin(self) -> None:
+    def _rejoin(self, held: list[int]) -> None:
         """After being declared dead: the reaper took this session's staging directory, holds
         and mount record; put them back (its staged writes are lost: their closes fail)."""
         self.data.staging_dir.mkdir(parents=True, exist_ok=True)
-        for blob_id in self._held.copy():
+        for blob_id in held:
             self.meta.hold(blob_id, self.id)
         self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
 
-    def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[int]:
-        """Claim and clean up after sessions seen dead long enough; returns pending blobs
-        this host should now take the sums of."""
+    def _reap_dead(self, sessions: dict[bytes, bytes]) -> tuple[int, list[int]]:
+        """Claim and clean up after sessions seen dead long enough; returns how many, and
+        the pending blobs this host should now take the sums of."""
         now = time.monotonic()
+        reaped = 0
         wanted: list[int] = []
         for session, raw in sessions.items():
             if session == self.id or self.meta.engine.alive(session):
@@ -151,7 +196,8 @@ class Session:
                 continue  # another host claimed it first
             self._seen_dead.pop(session, None)
             wanted += self.clean_up_after(session, record)
-        return wanted
+            reaped += 1
+        return reaped, wanted
 
     def clean_up_after(self, session: bytes, record: dict) -> list[int]:
         directory = self.data.staging_root / session.hex()
@@ -165,7 +211,6 @@ class Session:
         if directory.is_dir():
             directory.rmdir()
         self.volume.forget_mount(session)
-        self.stats.sessions_reaped += 1
         log.warning("host %s (pid %s, session %s) stopped: %d staged blobs published, %d "
                     "discarded, %d files with pending sums %s", record.get("host"),
                     record.get("pid"), session.hex(), published, discarded, len(pending),
@@ -188,7 +233,7 @@ class Session:
                 await self._sweep_wanted.wait()
             self._sweep_wanted = trio.Event()
             try:
-                await trio.to_thread.run_sync(self.reap_doomed)
+                await off_loop(self.reap_doomed)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("deleting doomed data files failed; the next sweep retries")

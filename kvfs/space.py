@@ -12,7 +12,7 @@ A request that needs room first chooses its victims (in a worker thread) and evi
 if they free enough: a request that cannot fit fails with ENOSPC and evicts nothing. Uses are
 recorded in memory and flushed to the metadata store every second and before each eviction.
 A background task keeps usage between the watermarks so writers rarely wait. Metadata
-transactions and scans run in worker threads, never on the request loop.
+transactions and scans run in worker threads, never on the request loop (kvfs/offloop.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import trio
 
 from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed
+from kvfs.offloop import MetaReads, off_loop
 from kvfs.records import FsError, fail
 from kvfs.sessions import Session
 from kvfs.stats import Stats
@@ -48,13 +49,14 @@ KERNEL_WRITER_MIN_RESERVES = 16  # ... in pools at least this many times as larg
 
 class Space:
     def __init__(self, meta: MetaStore, volume: Path, stats: Stats, session: Session,
-                 is_open: Callable[[int], bool],
+                 open_inodes: Callable[[], frozenset[int]],
                  evicted: Callable[[list[Removed]], Awaitable[None]]) -> None:
         self.meta = meta
+        self.read_meta = MetaReads(meta.engine.shared)
         self.session = session
         self.volume = volume
         self.stats = stats
-        self.is_open = is_open
+        self.open_inodes = open_inodes  # a snapshot, taken on the loop
         self.evicted = evicted  # retires the victims (kvfs/handles.py)
         self.inflight = 0  # bytes staged by open write handles
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
@@ -67,15 +69,20 @@ class Space:
 
     # -- accounting ----------------------------------------------------------------------
 
-    def used(self) -> int:
-        return self.meta.usage().used + self.inflight + self.session.others_staged
+    async def used(self) -> int:
+        committed = (await self.read_meta(self.meta.usage)).used
+        return committed + self.inflight + self.session.others_staged
 
-    def capacity(self) -> int:
+    async def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
+        configured, room = await off_loop(self._limits)
+        return max(0, min(configured, await self.used() + room))
+
+    def _limits(self) -> tuple[int, int]:
+        """The configured capacity and the room left on the volume (worker thread)."""
         volume = os.statvfs(self.volume)
         reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
-        room = volume.f_bavail * volume.f_frsize - reserve
-        return max(0, min(self.meta.capacity(), self.used() + room))
+        return self.meta.capacity(), volume.f_bavail * volume.f_frsize - reserve
 
     async def reserve(self, growth: int) -> None:
         """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
@@ -85,19 +92,20 @@ class Space:
         if growth <= self._slack and time.monotonic() < self._slack_until:
             self._slack -= growth  # room known to be there: no statvfs, no metadata read
             return
-        capacity = self.capacity()
+        capacity = await self.capacity()
         if growth > capacity:
             raise fail(errno.ENOSPC)
-        if self.used() + growth > capacity and not await self.evict_to(capacity - growth):
+        if (await self.used() + growth > capacity
+                and not await self.evict_to(capacity - growth)):
             raise fail(errno.ENOSPC)
-        self._slack = capacity - self.used() - growth
+        self._slack = capacity - await self.used() - growth
         self._slack_until = time.monotonic() + SLACK_SECONDS
 
     async def reserve_for_kernel_writer(self) -> int:
         """Room for a passthrough writer, reserved (and counted as staged) until it closes;
         0 where that is not to be had, or would be a large share of a small pool: then
         kvfs serves the writes and accounts each one exactly."""
-        if self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
+        if await self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
             return 0
         try:
             await self.reserve(KERNEL_WRITER_RESERVE)
@@ -120,7 +128,7 @@ class Space:
             return
         uses = self.take_uses()
         try:
-            await trio.to_thread.run_sync(self.meta.touch, uses)
+            await off_loop(self.meta.touch, uses)
         except BaseException:  # kept for the next flush (a shared engine may be busy)
             for ino, used_ns in uses.items():
                 self._uses[ino] = max(used_ns, self._uses.get(ino, 0))
@@ -134,15 +142,15 @@ class Space:
         async with self._evicting:
             await self.flush_uses()  # eviction order must include the latest uses
             for _ in range(EVICTION_ATTEMPTS):
-                need = self.used() - target
+                need = await self.used() - target
                 if need <= 0:
                     return True
-                victims, enough = await trio.to_thread.run_sync(self._choose, need)
+                victims, enough = await off_loop(self._choose, need, self.open_inodes())
                 if not enough and not partial:
                     return False
-                spared = [ino for ino in victims if not self.is_open(ino)]  # opened meanwhile
-                dropped = await trio.to_thread.run_sync(self.meta.drop_files, spared,
-                                                        self.session.shared)
+                open_now = self.open_inodes()
+                spared = [ino for ino in victims if ino not in open_now]  # opened meanwhile
+                dropped = await off_loop(self.meta.drop_files, spared, self.session.shared)
                 for removed in dropped:
                     self.stats.evictions += 1
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
@@ -150,11 +158,11 @@ class Space:
                 await self.evicted(dropped)
                 if not enough:
                     return False
-            return self.used() <= target
+            return await self.used() <= target
 
-    def _choose(self, need: int) -> tuple[list[int], bool]:
-        """Least-recently-used evictable files that free `need` bytes (worker thread);
-        returns them and whether they free enough."""
+    def _choose(self, need: int, open_inodes: frozenset[int]) -> tuple[list[int], bool]:
+        """Least-recently-used evictable files that free `need` bytes (worker thread), none
+        of `open_inodes`; returns them and whether they free enough."""
         pinned = self.meta.pinned()
         victims: list[int] = []
         freed, position = 0, b""
@@ -164,7 +172,7 @@ class Space:
                 return victims, False
             position = batch[-1][0]
             for _, inode in batch:
-                if self._evictable(inode, pinned):
+                if inode.ino not in open_inodes and self._evictable(inode, pinned):
                     victims.append(inode.ino)
                     freed += inode.allocated
                     if freed >= need:
@@ -172,7 +180,7 @@ class Space:
         return victims, True
 
     def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
-        if self.is_open(inode.ino) or inode.ino in pinned:
+        if inode.ino in pinned:
             return False
         if self.session.shared and self.meta.holders(inode.blob):
             return False  # open on another host
@@ -189,8 +197,8 @@ class Space:
 
     async def trim(self) -> None:
         """Above the high watermark, evict down to the low one (as far as pins allow)."""
-        capacity = self.capacity()
-        if self.used() <= HIGH_WATERMARK * capacity:
+        capacity = await self.capacity()
+        if await self.used() <= HIGH_WATERMARK * capacity:
             return
         reached = await self.evict_to(int(LOW_WATERMARK * capacity), partial=True)
         if not reached and not self._pinned_warning:

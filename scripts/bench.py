@@ -63,7 +63,7 @@ from rich.table import Table
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
 TARGETS = ("plain", "kvfs")
-ENGINE = REPO / "kvfs" / "lmcache_engine.py"
+ENGINE = REPO / "scripts" / "lmcache_engine.py"
 MISSING_BASE = 10**12  # kv_name indices from here on are never created
 
 
@@ -532,9 +532,9 @@ def mount_time_name(count: int) -> str:
 
 
 def run_engine(ops: list[str], directory: Path, chunks: int) -> dict[str, Any]:
-    """One real LMCache engine process (kvfs/lmcache_engine.py); returns its JSON report."""
+    """One real LMCache engine process (scripts/lmcache_engine.py); returns its JSON report."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvfs.lmcache_engine", *ops, "--backend", "fs", "--dir",
+        [sys.executable, str(ENGINE), *ops, "--backend", "fs", "--dir",
          str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],
         capture_output=True, text=True, cwd=REPO, timeout=600,
         env={**os.environ, "PYTHONHASHSEED": "0"},

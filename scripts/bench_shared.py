@@ -59,10 +59,9 @@ from bench_io import (
     stat_paths,
     write_files,
 )
+from local_redis import LocalRedis
 from rich.console import Console
 from rich.table import Table
-
-from kvfs.local_redis import LocalRedis
 
 CONSOLE = Console(width=None if sys.stdout.isatty() else 132)
 TARGETS = ("plain", "lmdb", "redis")

@@ -29,7 +29,7 @@ if ! sha256sum --quiet -c <<<"$SUMS" >/dev/null 2>&1; then
          -o "Dir::State::Lists=$WORK/apt/lists" -o "Dir::Cache=$WORK/apt/cache")
     apt-get "${APT[@]}" update -qq
     apt-get "${APT[@]}" source --download-only -qq "fuse3=$FUSE_DEBIAN" 2>/dev/null
-    "$PY" -m pip download -q --no-deps --no-binary :all: \
+    "$PY" -m pip download -q --no-deps --no-binary pyfuse3 \
         "pyfuse3==$PYFUSE3_VERSION" -d . 2>/dev/null
     sha256sum --quiet -c <<<"$SUMS"
 fi

@@ -34,7 +34,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from kvfs.local_redis import LocalRedis
+    from local_redis import LocalRedis
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_ENV = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false",
@@ -112,7 +112,7 @@ def drop_page_cache() -> bool:
 
 def run_engine(label: str, ops: list[str], logs: Path, **options: Any) -> dict[str, Any]:
     """One LMCache instance in its own process; its log goes to `logs/<label>.log`."""
-    argv = [sys.executable, "-m", "kvfs.lmcache_engine", *ops]
+    argv = [sys.executable, str(REPO / "scripts" / "lmcache_engine.py"), *ops]
     for name, value in options.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     log_path = logs / f"{label}.log"
@@ -212,7 +212,7 @@ def results_table(shared: dict[str, Any], private: dict[str, Any]) -> Table:
 
 
 def demo(args: argparse.Namespace, pool: Pool) -> None:
-    from kvfs.lmcache_engine import PRESETS
+    from lmcache_engine import PRESETS
 
     shape = PRESETS[args.preset]
     tokens = args.chunks * shape.chunk_tokens
@@ -293,7 +293,7 @@ def demo(args: argparse.Namespace, pool: Pool) -> None:
 def start_pool(args: argparse.Namespace, pool: Pool) -> None:
     """Redis (unless --meta), then one kvfs daemon per host over the shared data directory."""
     if pool.meta is None:
-        from kvfs.local_redis import LocalRedis
+        from local_redis import LocalRedis
 
         with console.status("Starting a throwaway redis-server for the pool's metadata"):
             pool.redis = LocalRedis(pool.temp / "redis")

@@ -62,7 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfs.local_redis import LocalRedis
+from local_redis import LocalRedis
+
 from kvfs.meta import recount
 from kvfs.volume import Volume
 

@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 from lmcache_engines import Engines
 
-from kvfs.local_redis import LocalRedis
 from kvfs.meta import recount
 from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
+# Helpers the tests share with the scripts (a throwaway redis-server); also for test files
+# run as worker scripts, which import this module outside pytest.
+sys.path.insert(0, str(REPO / "scripts"))
+from local_redis import LocalRedis  # noqa: E402
+
 MOUNT_SCRIPT = REPO / "mount_kvfs.py"
 
 

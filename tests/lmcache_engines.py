@@ -1,4 +1,4 @@
-"""Real LMCache 0.5.6 engines, each in its own process (`python -m kvfs.lmcache_engine`):
+"""Real LMCache 0.5.6 engines, each in its own process (`scripts/lmcache_engine.py`):
 starting them, reading their results, and checking what they loaded.
 
 The KV bytes of each chunk are a pure function of a seed, so a reader proves it got exactly a
@@ -11,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+ENGINE = Path(__file__).resolve().parent.parent / "scripts" / "lmcache_engine.py"
 CHUNK_TOKENS = 256
 ENGINE_ENV = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false",
               "LMCACHE_LOG_LEVEL": "WARNING"}
@@ -28,7 +30,7 @@ class Engines:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, *ops: str, **options: Any) -> subprocess.Popen[str]:
-        argv = [sys.executable, "-m", "kvfs.lmcache_engine", *ops]
+        argv = [sys.executable, str(ENGINE), *ops]
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
             if value is True:

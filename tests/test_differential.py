@@ -31,8 +31,9 @@ on either side. Contents of large sparse files are compared where the plain file
 at its start and end, and around every hole's edges.
 
 Only the differences kvfs documents (README: "Guarantees", "Semantics not offered") are allowed:
-- Close-to-open visibility, stat showing the committed size: every operation opens, acts and
-  closes; nothing is compared (fstat, SEEK_END) while a handle is open for writing.
+- Close-to-open visibility: other handles see a writer's bytes once it closes, so every
+  operation opens, acts and closes. The writer itself sees its own size (fstat, SEEK_END,
+  writes after seeking to the end), compared within each session.
 - atime is the last use, mtime is set when a writer commits: times are compared only right
   after utime() set them.
 - Directories' st_size and st_nlink are not compared.
@@ -88,8 +89,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
-from kvfs.local_redis import LocalRedis
+from local_redis import LocalRedis
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -200,6 +200,9 @@ actions = st.lists(st.one_of(
     st.tuples(st.just("seek"), offsets.filter(lambda offset: offset < LIMIT - 4096)),
     st.tuples(st.just("ftruncate"), sizes),
     st.tuples(st.just("pread"), offsets, st.integers(0, 100_000)),
+    # what the writer itself sees of its file while it is open: its own size and end
+    st.tuples(st.just("fstat")),
+    st.tuples(st.just("seek_end")),
 ), max_size=6)
 
 
@@ -486,6 +489,11 @@ def act(fd: int, action: tuple) -> Any:
         return os.ftruncate(fd, action[1])
     if kind == "pread":
         return os.pread(fd, action[2], action[1])
+    if kind in ("fstat", "seek_end"):  # sizes of regular files (directories' differ)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return stat.S_IFMT(mode)
+        return os.fstat(fd).st_size if kind == "fstat" else os.lseek(fd, 0, os.SEEK_END)
     raise AssertionError(kind)
 
 

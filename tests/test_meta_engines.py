@@ -526,10 +526,6 @@ def test_rename_noreplace_and_exchange(meta: MetaStore) -> None:
     assert meta.get(deep.ino).parent == sub.ino
 
 
-@pytest.mark.xfail(strict=True, reason="kvfs bug: rename with RENAME_NOREPLACE onto another "
-                   "name of the same file succeeds and changes nothing; renameat2 fails EEXIST "
-                   "(the same-inode shortcut in MetaStore.rename comes before the NOREPLACE "
-                   "check)")
 def test_rename_noreplace_onto_another_name_of_the_same_file(meta: MetaStore) -> None:
     f = mkfile(meta, b"a")
     meta.link(f.ino, ROOT_INO, b"b")

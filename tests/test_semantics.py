@@ -51,6 +51,42 @@ def test_write_read_at_offsets_and_truncate(kvfs) -> None:
     assert path.read_bytes() == b"hEllo"
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_writer_sees_its_own_size_and_end(kvfs, tmp_path: Path, existing: bool) -> None:
+    """A writer's fstat, SEEK_END and ftruncate see what it wrote, as on ext4; other handles
+    see the file as last committed until the writer closes."""
+    outcomes = {}
+    for root in (kvfs.mountpoint, tmp_path):
+        path = root / "f"
+        if existing:
+            path.write_bytes(b"0123456789")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        seen = [os.write(fd, b"a" * 100), os.fstat(fd).st_size,
+                os.lseek(fd, 0, os.SEEK_END), os.write(fd, b"b" * 10), os.fstat(fd).st_size]
+        os.ftruncate(fd, 400)
+        seen += [os.fstat(fd).st_size, os.lseek(fd, 0, os.SEEK_END)]
+        os.ftruncate(fd, 50)
+        seen += [os.fstat(fd).st_size, os.lseek(fd, 0, os.SEEK_END), os.write(fd, b"c")]
+        os.close(fd)
+        seen.append(path.read_bytes())
+        outcomes[root] = seen
+    assert outcomes[kvfs.mountpoint] == outcomes[tmp_path]
+    assert outcomes[tmp_path][-1] == b"a" * 50 + b"c"
+
+
+def test_new_file_written_then_appended_after_seek_end(kvfs, tmp_path: Path) -> None:
+    """The data-corrupting case: write 100 bytes, seek to the end, write 10: 110 bytes."""
+    contents = []
+    for root in (kvfs.mountpoint, tmp_path):
+        fd = os.open(root / "g", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, b"x" * 100)
+        end = os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, b"y" * 10)
+        os.close(fd)
+        contents.append((end, (root / "g").read_bytes()))
+    assert contents[0] == contents[1] == (100, b"x" * 100 + b"y" * 10)
+
+
 def test_large_file_roundtrip_and_shell_tools(kvfs) -> None:
     payload = os.urandom(40 * MiB + 123)
     (kvfs.mountpoint / "dir").mkdir()

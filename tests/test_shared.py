@@ -32,8 +32,7 @@ from conftest import (
     wait_for,
 )
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
-
-from kvfs.local_redis import LocalRedis
+from local_redis import LocalRedis
 
 MiB = 1 << 20
 KVFS_CLI = Path(sys.executable).parent / "kvfs"

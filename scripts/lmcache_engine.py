@@ -2,14 +2,14 @@
 
 Usage (one JSON line on stdout, LMCache's logging on stderr):
 
-    PYTHONHASHSEED=0 python -m kvfs.lmcache_engine store lookup retrieve \\
+    PYTHONHASHSEED=0 python scripts/lmcache_engine.py store lookup retrieve \\
         --backend fs --dir /mnt/kvfs/lmcache --preset llama-3.1-8b --chunks 4
 
 Every instance that is to share must run with the same PYTHONHASHSEED, model string, world
 size, dtype and chunk size. Under vLLM the chunk-hash chain starts from a seed that vLLM
 derives from PYTHONHASHSEED (random when unset), and LMCache takes it from vLLM whenever vLLM
 is importable; without vLLM the keys happen not to depend on it. If PYTHONHASHSEED is unset
-this module re-executes itself with PYTHONHASHSEED=0, so instances started through it agree.
+this script re-executes itself with PYTHONHASHSEED=0, so instances started through it agree.
 
 The engine keeps no CPU copy of chunks (``local_cpu: false``), so every lookup and retrieve,
 also of chunks stored by the same process, goes to the storage directory.
@@ -281,7 +281,7 @@ def retrieve(engine: Any, connector: Any, tokens: torch.Tensor, slot_mapping: to
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvfs.lmcache_engine",
+    parser = argparse.ArgumentParser(prog="scripts/lmcache_engine.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("ops", nargs="+", choices=["store", "lookup", "retrieve"],
                         help="operations to run in order")
@@ -309,7 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     if "PYTHONHASHSEED" not in os.environ:
         os.environ["PYTHONHASHSEED"] = "0"
-        os.execv(sys.executable, [sys.executable, "-m", "kvfs.lmcache_engine", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
     args = parse_args(argv)
     # Anything LMCache prints goes to stderr; only our JSON line reaches the real stdout.
     json_out = os.fdopen(os.dup(1), "w")

@@ -1,0 +1,91 @@
+"""The metadata store of a kvfs volume, one concern per module, all written once over the
+transactions of a metadata engine (kvfs/engine.py, kvfs/redis_engine.py):
+
+    schema.py     the key schema (its docstring), records, constants
+    base.py       the store's state and the helpers over `Txn` that several concerns share
+    namespace.py  directories, names, attributes, xattrs
+    content.py    blob records, content commits, pending sums, doomed blobs, dropping files
+    pool.py       the hosts of a shared pool: sessions, held blobs, boots
+    recency.py    use and room: recency index, pins, usage counters, capacity, models
+    formats.py    formatting and migrating the store's format
+
+fsck's repairs and `recount` live with fsck (kvfs/fsck.py); `recount` is importable from here
+too (loaded on first use: kvfs/fsck.py imports this package).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvfs.engine import Engine
+from kvfs.meta.content import ContentOps
+from kvfs.meta.formats import FormatOps
+from kvfs.meta.namespace import NamespaceOps
+from kvfs.meta.pool import PoolOps
+from kvfs.meta.recency import RecencyOps
+from kvfs.meta.schema import (
+    DEFAULT_MAP_SIZE,
+    FAMILIES,
+    FORMAT,
+    ID_BATCH,
+    LINK_MAX,
+    MODEL_BYTES,
+    MODEL_FILES,
+    NAME_MAX,
+    PATH_MAX,
+    PIN_XATTR,
+    READDIR_BATCH,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    TOUCH_BATCH,
+    V1_FORMAT,
+    V2_FORMAT,
+    XATTR_VALUE_MAX,
+    Inode,
+    Removed,
+    Usage,
+    check_name,
+    from_u64,
+    u64,
+)
+
+if TYPE_CHECKING:
+    from kvfs.fsck import recount
+
+__all__ = [
+    "DEFAULT_MAP_SIZE", "FAMILIES", "FORMAT", "ID_BATCH", "LINK_MAX", "MODEL_BYTES",
+    "MODEL_FILES", "NAME_MAX", "PATH_MAX", "PIN_XATTR", "READDIR_BATCH", "RENAME_EXCHANGE",
+    "RENAME_NOREPLACE", "ROOT_INO", "TOUCH_BATCH", "V1_FORMAT", "V2_FORMAT", "XATTR_VALUE_MAX",
+    "Inode", "MetaStore", "Removed", "Usage", "check_name", "from_u64", "recount", "u64",
+]
+
+
+class MetaStore(NamespaceOps, ContentOps, PoolOps, RecencyOps, FormatOps):
+    """Namespace and attributes of one kvfs volume, kept in a metadata engine."""
+
+
+    def __init__(self, engine: Engine, readonly: bool = False) -> None:
+        self.engine = engine
+        self.session = b""  # this mount's session in a shared pool (kvfs/sessions.py)
+        self._ids: range = range(0)  # inode numbers and cookies in stock
+        self._ids_lock = threading.Lock()
+        if not readonly:
+            try:
+                self._change(self._open_format)
+            except BaseException:
+                self.engine.close()
+                raise
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def __getattr__(name: str) -> object:
+    """`recount` is fsck's (kvfs/fsck.py), imported on first use: kvfs/fsck.py imports this
+    package, through kvfs/volume.py too, so importing it here at once would be a cycle."""
+    if name == "recount":
+        from kvfs.fsck import recount
+        return recount
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

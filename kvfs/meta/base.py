@@ -1,0 +1,126 @@
+"""What the concerns of the metadata store share: its state, and the helpers over `Txn` that
+several of them use (inode records, directory entries, dropping an inode and releasing its
+blob, usage and recency bookkeeping, id stocks)."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+from kvfs.engine import Engine, Txn
+from kvfs.meta.schema import ID_BATCH, MODEL_BYTES, MODEL_FILES, Inode, from_u64, u64
+from kvfs.models import model_of
+from kvfs.records import BlobInfo, fail
+
+T = TypeVar("T")
+
+
+class MetaBase:
+    """The state of a store (set by `MetaStore.__init__`) and the helpers over `Txn` its
+    concerns share: each mixin of `MetaStore` is a `MetaBase`."""
+
+    engine: Engine
+    session: bytes  # this mount's session in a shared pool (kvfs/sessions.py)
+    _ids: range  # inode numbers and cookies in stock
+    _ids_lock: threading.Lock
+
+    def _change(self, change: Callable[[Txn], T]) -> T:
+        """Run `change` in one transaction of the engine; returns once it is durable."""
+        return self.engine.change(change)
+
+    def _fresh_ids(self, count: int) -> range:
+        """Inode numbers or cookies for one change, taken (in the caller's thread, before the
+        change, which may run more than once) from a stock that is itself taken from
+        `next_ino` in batches: ids are never reused, whatever happens to the changes."""
+        with self._ids_lock:
+            if len(self._ids) < count:
+                end = self.engine.allocate(b"next_ino", ID_BATCH)
+                self._ids = range(end - ID_BATCH, end)
+            taken, self._ids = self._ids[:count], self._ids[count:]
+        return taken
+
+    def _get(self, txn: Txn, ino: int) -> Inode:
+        raw = txn.get("inode", u64(ino))
+        if raw is None:
+            raise fail(errno.ENOENT)
+        return Inode.unpack(ino, raw)
+
+    def _put(self, txn: Txn, inode: Inode) -> None:
+        txn.put("inode", u64(inode.ino), inode.pack())
+
+    def _index_use(self, txn: Txn, inode: Inode, old_atime: int | None,
+                   new_atime: int | None) -> None:
+        """Keep a file's place in the recency index in step with its atime."""
+        if inode.is_dir:
+            return
+        if old_atime is not None:
+            txn.delete("recency", u64(old_atime) + u64(inode.ino))
+        if new_atime is not None:
+            txn.put("recency", u64(new_atime) + u64(inode.ino), b"")
+
+    def _count_model(self, txn: Txn, inode: Inode, name: bytes, files: int,
+                     allocated: int) -> None:
+        """Per-model usage: a file counts for the model its primary name says (if any)."""
+        model = None if inode.is_dir else model_of(name)
+        if model is None:
+            return
+        if files:
+            txn.add("models", model.encode() + MODEL_FILES, files)
+        if allocated:
+            txn.add("models", model.encode() + MODEL_BYTES, allocated)
+
+    def _link(self, txn: Txn, parent: int, name: bytes, ino: int, cookie_id: int) -> None:
+        cookie = u64(cookie_id)
+        txn.put("dentry", u64(parent) + name, u64(ino) + cookie)
+        txn.put("dirlist", u64(parent) + cookie, u64(ino) + name)
+        txn.put("links", u64(ino) + u64(parent) + name, b"")
+
+    def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
+        raw = txn.pop("dentry", u64(parent) + name)
+        if raw is not None:
+            txn.delete("dirlist", u64(parent) + raw[8:16])
+        txn.delete("links", u64(ino) + u64(parent) + name)
+
+    def _suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
+        """The rest of every key of `family` that starts with `prefix`."""
+        found = []
+        for key, _ in txn.scan(family, prefix):
+            if key[: len(prefix)] != prefix:
+                break
+            found.append(bytes(key[len(prefix):]))
+        return found
+
+    def _names(self, txn: Txn, ino: int) -> list[tuple[int, bytes]]:
+        return [(from_u64(rest), rest[8:]) for rest in self._suffixes(txn, "links", u64(ino))]
+
+    def _adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
+        inode = self._get(txn, ino)
+        self._put(txn, replace(inode, nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+
+    def _drop_inode(self, txn: Txn, inode: Inode) -> None:
+        """Remove an unlinked inode's record, its xattrs, and doom its blob."""
+        key = u64(inode.ino)
+        for family in ("inode", "pins", "symlink"):
+            txn.delete(family, key)
+        self._index_use(txn, inode, inode.atime_ns, None)
+        for name in self._suffixes(txn, "xattr", key):
+            txn.delete("xattr", key + name)
+        if not inode.is_dir:
+            txn.add("counters", b"files", -1)
+        self._count_model(txn, inode, inode.name, -1, -inode.allocated)
+        self._release_blob(txn, inode.blob)
+
+    def _release_blob(self, txn: Txn, blob_id: int) -> None:
+        if not blob_id:
+            return
+        raw = txn.pop("blob", u64(blob_id))
+        if raw is not None:
+            txn.add("counters", b"used_bytes", -BlobInfo.unpack(blob_id, raw).allocated)
+        txn.delete("pending", u64(blob_id))
+        txn.put("doomed", u64(blob_id), b"")
+
+    def _holders(self, txn: Txn, blob_id: int) -> list[bytes]:
+        return self._suffixes(txn, "held", u64(blob_id)) if blob_id else []

@@ -1,0 +1,89 @@
+"""The store's format: formatting a new volume, and migrating older formats in place at
+open (kvfs-1: before hard links and holes; kvfs-2: per-model usage as one packed record)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+
+from kvfs.engine import Txn
+from kvfs.meta.base import MetaBase
+from kvfs.meta.schema import (
+    FORMAT,
+    MODEL_BYTES,
+    MODEL_FILES,
+    ROOT_INO,
+    V1_FORMAT,
+    V2_FORMAT,
+    Inode,
+    from_u64,
+    u64,
+)
+from kvfs.records import BLOB_RECORD
+
+
+class FormatOps(MetaBase):
+    """Opening a store: its format, made or brought up to date."""
+
+    def _open_format(self, txn: Txn) -> None:
+        stored = txn.get("settings", b"format")
+        if stored is None:
+            self._format(txn)
+        elif stored == V1_FORMAT:
+            self._migrate_from_v1(txn)
+        elif stored == V2_FORMAT:
+            self._migrate_from_v2(txn)
+        elif stored != FORMAT:
+            raise RuntimeError(f"unsupported metadata format {stored!r}")
+
+    def _format(self, txn: Txn) -> None:
+        now = time.time_ns()
+        # The root belongs to whoever formats the volume: root, or the user who mounts it.
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, 0, now,
+                     now, now, ROOT_INO, 0, 0, b"")
+        txn.put("inode", u64(ROOT_INO), root.pack())
+        txn.put("settings", b"format", FORMAT)
+        txn.add("counters", b"next_ino", ROOT_INO + 1)
+        txn.add("counters", b"next_blob", 1)
+
+    def _migrate_from_v1(self, txn: Txn) -> None:
+        """kvfs-1 records: no rdev, allocation or cookies; one name per inode. A file's
+        allocation is taken as its size in whole 4 KiB blocks."""
+        old_inode, old_blob = struct.Struct("<IIIIQqqqQQQ"), struct.Struct("<QQI")
+        allocated: dict[int, int] = {}
+        for key, raw in list(txn.scan("blob")):
+            ino, size, block_size = old_blob.unpack_from(raw)
+            allocated[ino] = -(-size // 4096) * 4096
+            txn.put("blob", key, BLOB_RECORD.pack(ino, size, allocated[ino], block_size, 0)
+                    + raw[old_blob.size:])
+        for key, raw in list(txn.scan("inode")):
+            (mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, parent, blob,
+             version) = old_inode.unpack_from(raw)
+            ino = from_u64(key)
+            inode = Inode(ino, mode, nlink, uid, gid, 0, size, allocated.get(ino, 0), atime_ns,
+                          mtime_ns, ctime_ns, parent, blob, version, bytes(raw[old_inode.size:]))
+            self._put(txn, inode)
+        txn.add("counters", b"used_bytes",
+                sum(allocated.values()) - txn.count("counters", b"used_bytes"))
+        txn.clear("models")
+        for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.scan("inode")]:
+            self._count_model(txn, inode, inode.name, 1, inode.allocated)
+        for key, child in list(txn.scan("dentry")):
+            txn.put("dentry", key, child + child)  # the cookie is the child ino
+            txn.put("links", child + key, b"")
+        for key, name in list(txn.scan("dirlist")):
+            txn.put("dirlist", key, key[8:] + name)
+        txn.put("settings", b"format", FORMAT)
+
+    def _migrate_from_v2(self, txn: Txn) -> None:
+        """kvfs-2 kept a model's files and bytes in one packed record (embedded engine only:
+        these reads inside a change are fine there)."""
+        packed = struct.Struct("<qq")
+        for key, raw in list(txn.scan("models")):
+            files, allocated = packed.unpack(raw)
+            txn.delete("models", key)
+            txn.add("models", key + MODEL_FILES, files)
+            txn.add("models", key + MODEL_BYTES, allocated)
+        txn.put("settings", b"format", FORMAT)

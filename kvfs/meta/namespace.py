@@ -1,0 +1,386 @@
+"""The namespace: lookup and listing of directories, creating, linking, removing and renaming
+entries, symlink targets, attributes and xattrs."""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import islice, takewhile
+
+from kvfs.engine import Txn
+from kvfs.meta.base import MetaBase
+from kvfs.meta.schema import (
+    LINK_MAX,
+    NAME_MAX,
+    PATH_MAX,
+    PIN_XATTR,
+    READDIR_BATCH,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    XATTR_VALUE_MAX,
+    Inode,
+    Removed,
+    check_name,
+    from_u64,
+    u64,
+)
+from kvfs.records import fail
+
+
+class NamespaceOps(MetaBase):
+    """Directories, names, attributes and xattrs of the store."""
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Inode:
+        with self.engine.snapshot() as txn:
+            return self._get(txn, ino)
+
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        if len(name) > NAME_MAX:
+            raise fail(errno.ENAMETOOLONG)
+        with self.engine.snapshot() as txn:
+            return self._child(txn, parent, name)
+
+    def names(self, ino: int) -> list[tuple[int, bytes]]:
+        with self.engine.snapshot() as txn:
+            return self._names(txn, ino)
+
+    def readlink(self, ino: int) -> bytes:
+        with self.engine.snapshot() as txn:
+            self._get(txn, ino)
+            target = txn.get("symlink", u64(ino))
+        if target is None:
+            raise fail(errno.EINVAL)
+        return bytes(target)
+
+    def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
+        """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
+        prefix = u64(parent)
+        with self.engine.snapshot() as txn:
+            entries = takewhile(lambda entry: entry[0][:8] == prefix,
+                                txn.scan("dirlist", prefix + u64(after + 1)))
+            while batch := list(islice(entries, READDIR_BATCH)):
+                children = txn.get_many("inode", [bytes(value[:8]) for _, value in batch])
+                for (key, value), child in zip(batch, children, strict=True):
+                    if child is not None:
+                        yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
+                               from_u64(key[8:]))
+
+    def readdir_page(self, parent: int, after: int, limit: int
+                     ) -> list[tuple[bytes, Inode, int]]:
+        return list(islice(self.readdir(parent, after), limit))
+
+    def inodes(self) -> Iterator[Inode]:
+        with self.engine.snapshot() as txn:
+            for key, raw in txn.scan("inode"):
+                yield Inode.unpack(from_u64(key), raw)
+
+    def entries(self) -> Iterator[tuple[int, bytes, int]]:
+        """Every (parent, name, child) directory entry."""
+        with self.engine.snapshot() as txn:
+            for key, child in txn.scan("dentry"):
+                yield from_u64(key[:8]), bytes(key[8:]), from_u64(child)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        with self.engine.snapshot() as txn:
+            self._get(txn, ino)
+            value = txn.get("xattr", u64(ino) + name)
+        if value is None:
+            raise fail(errno.ENODATA)
+        return bytes(value)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        with self.engine.snapshot() as txn:
+            self._get(txn, ino)
+            return self._suffixes(txn, "xattr", u64(ino))
+
+    # -- namespace changes ---------------------------------------------------------------
+
+    def _dir(self, txn: Txn, ino: int) -> Inode:
+        inode = self._get(txn, ino)
+        if not inode.is_dir:
+            raise fail(errno.ENOTDIR)
+        return inode
+
+    def _child(self, txn: Txn, parent: int, name: bytes) -> Inode | None:
+        raw = txn.get("dentry", u64(parent) + name)
+        return None if raw is None else self._get(txn, from_u64(raw))
+
+    def _has_children(self, txn: Txn, ino: int) -> bool:
+        first = next(txn.scan("dirlist", u64(ino)), None)
+        return first is not None and first[0][:8] == u64(ino)
+
+    def _check_room(self) -> None:
+        """Refuse growth of the namespace near a full engine, so that removing files always
+        remains possible."""
+        if not self.engine.has_room():
+            raise fail(errno.ENOSPC)
+
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
+             target: bytes | None = None) -> Inode:
+        """Create an inode of any type (by `mode`) named `name` in `parent`; a symlink's
+        `target` is its content."""
+        check_name(name)
+        self._check_room()
+        if stat.S_ISLNK(mode) and (not target or len(target) >= PATH_MAX or b"\0" in target):
+            raise fail(errno.ENAMETOOLONG if target and len(target) >= PATH_MAX
+                       else errno.EINVAL)
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        now = time.time_ns()
+        ino, cookie = self._fresh_ids(2)  # the inode number and the entry's cookie
+
+        def change(txn: Txn) -> Inode:
+            parent_inode = self._dir(txn, parent)
+            if self._child(txn, parent, name) is not None:
+                raise fail(errno.EEXIST)
+            is_dir = stat.S_ISDIR(mode)
+            owner_gid, full_mode = gid, mode
+            if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
+                owner_gid = parent_inode.gid
+                full_mode |= stat.S_ISGID if is_dir else 0
+            size = len(target) if target else 0
+            inode = Inode(ino, full_mode, 2 if is_dir else 1, uid, owner_gid, rdev, size, 0, now,
+                          now, now, parent, 0, 0, name)
+            self._put(txn, inode)
+            if target:
+                txn.put("symlink", u64(ino), target)
+            self._index_use(txn, inode, None, now)
+            self._count_model(txn, inode, name, 1, 0)
+            self._link(txn, parent, name, ino, cookie)
+            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
+                                   mtime_ns=now, ctime_ns=now))
+            if not is_dir:
+                txn.add("counters", b"files", 1)
+            return inode
+        return self._change(change)
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        """A further name for a non-directory (a hard link)."""
+        check_name(new_name)
+        self._check_room()
+        now = time.time_ns()
+        (cookie,) = self._fresh_ids(1)
+
+        def change(txn: Txn) -> Inode:
+            inode = self._get(txn, ino)
+            if inode.is_dir:
+                raise fail(errno.EPERM)
+            if inode.nlink >= LINK_MAX:
+                raise fail(errno.EMLINK)
+            parent_inode = self._dir(txn, new_parent)
+            if self._child(txn, new_parent, new_name) is not None:
+                raise fail(errno.EEXIST)
+            self._link(txn, new_parent, new_name, ino, cookie)
+            inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
+            self._put(txn, inode)
+            self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
+            return inode
+        return self._change(change)
+
+    def remove(self, parent: int, name: bytes, is_dir: bool) -> Removed:
+        """unlink (is_dir False) or rmdir (True) of one name."""
+        check_name(name)
+        now = time.time_ns()
+        def change(txn: Txn) -> Removed:
+            parent_inode = self._dir(txn, parent)
+            inode = self._child(txn, parent, name)
+            if inode is None:
+                raise fail(errno.ENOENT)
+            if is_dir and not inode.is_dir:
+                raise fail(errno.ENOTDIR)
+            if not is_dir and inode.is_dir:
+                raise fail(errno.EISDIR)
+            if is_dir:
+                if self._has_children(txn, inode.ino):
+                    raise fail(errno.ENOTEMPTY)
+                self._unlink(txn, parent, name, inode.ino)
+                self._drop_inode(txn, inode)
+                after = replace(inode, nlink=0)
+            else:
+                after = self._drop_name(txn, inode, parent, name, now)
+            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink - inode.is_dir,
+                                   mtime_ns=now, ctime_ns=now))
+            return Removed(after, [(parent, name)])
+        return self._change(change)
+
+    def _drop_name(self, txn: Txn, inode: Inode, parent: int, name: bytes,
+                   now: int) -> Inode:
+        """Remove one name of a non-directory; the inode goes with its last name."""
+        self._unlink(txn, parent, name, inode.ino)
+        if inode.nlink <= 1:
+            self._drop_inode(txn, inode)
+            return replace(inode, nlink=0)
+        updated = replace(inode, nlink=inode.nlink - 1, ctime_ns=now)
+        if (parent, name) == (inode.parent, inode.name):  # another name becomes the primary
+            new_parent, new_name = self._names(txn, inode.ino)[0]
+            self._count_model(txn, inode, name, -1, -inode.allocated)
+            self._count_model(txn, inode, new_name, 1, inode.allocated)
+            updated = replace(updated, parent=new_parent, name=new_name)
+        self._put(txn, updated)
+        return updated
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> tuple[Inode, Removed | None]:
+        """Move an entry, atomically replacing a compatible target; returns the moved inode
+        and what happened to the replaced one (if any)."""
+        check_name(old_name)
+        check_name(new_name)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+                RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise fail(errno.EINVAL)
+        now = time.time_ns()
+        reserved = self._fresh_ids(2)  # new entries: one, or two for an exchange
+
+        def change(txn: Txn) -> tuple[Inode, Removed | None]:
+            cookies = iter(reserved)
+            self._dir(txn, old_parent)
+            self._dir(txn, new_parent)
+            moved = self._child(txn, old_parent, old_name)
+            if moved is None:
+                raise fail(errno.ENOENT)
+            target = self._child(txn, new_parent, new_name)
+            if moved.is_dir and self._is_ancestor(txn, moved.ino, new_parent):
+                raise fail(errno.EINVAL)
+            if flags & RENAME_EXCHANGE:
+                if target is None:
+                    raise fail(errno.ENOENT)
+                if target.is_dir and self._is_ancestor(txn, target.ino, old_parent):
+                    raise fail(errno.EINVAL)
+                self._exchange(txn, (old_parent, old_name, moved),
+                               (new_parent, new_name, target), now, cookies)
+                return self._get(txn, moved.ino), None
+            replaced = None
+            if target is not None:
+                if flags & RENAME_NOREPLACE:  # (also onto another name of the same file)
+                    raise fail(errno.EEXIST)
+                if target.ino == moved.ino:  # two names of one file: POSIX says do nothing
+                    return moved, None
+                self._check_replaceable(txn, moved, target)
+                if target.is_dir:
+                    self._unlink(txn, new_parent, new_name, target.ino)
+                    self._drop_inode(txn, target)
+                    self._adjust_parent(txn, new_parent, -1, now)
+                    replaced = Removed(replace(target, nlink=0), [(new_parent, new_name)])
+                else:
+                    replaced = Removed(self._drop_name(txn, target, new_parent, new_name, now),
+                                       [(new_parent, new_name)])
+                moved = self._get(txn, moved.ino)  # unchanged unless it was the target
+            moved = self._move_name(txn, moved, (old_parent, old_name),
+                                    (new_parent, new_name), now, next(cookies))
+            self._adjust_parent(txn, old_parent, -moved.is_dir, now)
+            self._adjust_parent(txn, new_parent, moved.is_dir, now)
+            return moved, replaced
+        return self._change(change)
+
+    def _move_name(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
+                   new: tuple[int, bytes], now: int, cookie: int) -> Inode:
+        """Re-point one name of `inode` (stored) and return its updated record."""
+        self._unlink(txn, *old, inode.ino)
+        self._link(txn, *new, inode.ino, cookie)
+        return self._renamed(txn, inode, old, new, now)
+
+    def _renamed(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
+                 new: tuple[int, bytes], now: int) -> Inode:
+        """Store an inode whose name `old` is now `new`: its primary name and model follow."""
+        updated = replace(inode, ctime_ns=now)
+        if old == (inode.parent, inode.name):
+            self._count_model(txn, inode, old[1], -1, -inode.allocated)
+            self._count_model(txn, inode, new[1], 1, inode.allocated)
+            updated = replace(updated, parent=new[0], name=new[1])
+        self._put(txn, updated)
+        return updated
+
+    def _check_replaceable(self, txn: Txn, moved: Inode, target: Inode) -> None:
+        if moved.is_dir and not target.is_dir:
+            raise fail(errno.ENOTDIR)
+        if not moved.is_dir and target.is_dir:
+            raise fail(errno.EISDIR)
+        if target.is_dir and self._has_children(txn, target.ino):
+            raise fail(errno.ENOTEMPTY)
+
+    def _exchange(self, txn: Txn, first: tuple[int, bytes, Inode],
+                  second: tuple[int, bytes, Inode], now: int, cookies: Iterator[int]) -> None:
+        (first_parent, first_name, first_inode) = first
+        (second_parent, second_name, second_inode) = second
+        if first_inode.ino == second_inode.ino:
+            return
+        self._unlink(txn, first_parent, first_name, first_inode.ino)
+        self._unlink(txn, second_parent, second_name, second_inode.ino)
+        self._link(txn, first_parent, first_name, second_inode.ino, next(cookies))
+        self._link(txn, second_parent, second_name, first_inode.ino, next(cookies))
+        self._renamed(txn, first_inode, (first_parent, first_name),
+                      (second_parent, second_name), now)
+        self._renamed(txn, second_inode, (second_parent, second_name),
+                      (first_parent, first_name), now)
+        if first_parent != second_parent and first_inode.is_dir != second_inode.is_dir:
+            shift = first_inode.is_dir - second_inode.is_dir
+            self._adjust_parent(txn, first_parent, -shift, now)
+            self._adjust_parent(txn, second_parent, shift, now)
+        else:
+            for parent in {first_parent, second_parent}:
+                self._adjust_parent(txn, parent, 0, now)
+
+    def _is_ancestor(self, txn: Txn, ancestor: int, ino: int) -> bool:
+        while True:
+            if ino == ancestor:
+                return True
+            if ino == ROOT_INO:
+                return False
+            ino = self._get(txn, ino).parent
+
+    def set_attrs(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                  gid: int | None = None, atime_ns: int | None = None,
+                  mtime_ns: int | None = None, clear_mode: int = 0) -> Inode:
+        """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
+        setgid on writes), inside the same transaction."""
+        def change(txn: Txn) -> Inode:
+            inode = self._get(txn, ino)
+            if clear_mode and not inode.mode & clear_mode and mode is None:
+                return inode  # a write that finds nothing to clear changes no attribute
+            ctime_ns = time.time_ns()
+            new_mode = inode.mode
+            if mode is not None:
+                new_mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            if clear_mode:
+                new_mode &= ~clear_mode
+            updated = replace(
+                inode, ctime_ns=ctime_ns, mode=new_mode,
+                uid=inode.uid if uid is None else uid,
+                gid=inode.gid if gid is None else gid,
+                atime_ns=inode.atime_ns if atime_ns is None else atime_ns,
+                mtime_ns=inode.mtime_ns if mtime_ns is None else mtime_ns)
+            self._put(txn, updated)
+            if updated.atime_ns != inode.atime_ns:
+                self._index_use(txn, inode, inode.atime_ns, updated.atime_ns)
+            return updated
+        return self._change(change)
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if len(value) > XATTR_VALUE_MAX:
+            raise fail(errno.E2BIG)
+        if not name or len(name) > NAME_MAX:
+            raise fail(errno.ERANGE)
+        self._check_room()
+        def change(txn: Txn) -> None:
+            inode = self._get(txn, ino)
+            txn.put("xattr", u64(ino) + name, value)
+            if name == PIN_XATTR:
+                txn.put("pins", u64(ino), b"")
+            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+        self._change(change)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        def change(txn: Txn) -> None:
+            inode = self._get(txn, ino)
+            if not txn.delete("xattr", u64(ino) + name):
+                raise fail(errno.ENODATA)
+            if name == PIN_XATTR:
+                txn.delete("pins", u64(ino))
+            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+        self._change(change)

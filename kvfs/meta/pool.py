@@ -1,0 +1,55 @@
+"""The hosts of a shared pool (kvfs/sessions.py): their sessions, the blobs each holds open,
+and the boot a mount runs in."""
+
+from __future__ import annotations
+
+from kvfs.engine import Txn
+from kvfs.meta.base import MetaBase
+from kvfs.meta.schema import u64
+
+
+class PoolOps(MetaBase):
+    """Sessions and holds of the hosts that mount the volume."""
+
+    def register_session(self, session: bytes, record: bytes) -> None:
+        self._change(lambda txn: txn.put("sessions", session, record))
+
+    def sessions(self) -> dict[bytes, bytes]:
+        with self.engine.snapshot() as txn:
+            return {bytes(key): bytes(value) for key, value in txn.scan("sessions")}
+
+    def end_session(self, session: bytes) -> bool:
+        """Remove a session and its holds; False if it was gone (another host claimed it)."""
+        def change(txn: Txn) -> bool:
+            if not txn.delete("sessions", session):
+                return False
+            for blob in self._suffixes(txn, "holding", session):
+                txn.discard("holding", session + blob)
+                txn.discard("held", blob + session)
+            return True
+        return self._change(change)
+
+    def hold(self, blob_id: int, session: bytes) -> None:
+        def change(txn: Txn) -> None:
+            txn.put("held", u64(blob_id) + session, b"")
+            txn.put("holding", session + u64(blob_id), b"")
+        self._change(change)
+
+    def release(self, blob_id: int, session: bytes) -> None:
+        def change(txn: Txn) -> None:
+            txn.discard("held", u64(blob_id) + session)
+            txn.discard("holding", session + u64(blob_id))
+        self._change(change)
+
+    def holders(self, blob_id: int) -> list[bytes]:
+        """Sessions that hold `blob_id` open."""
+        with self.engine.snapshot() as txn:
+            return self._holders(txn, blob_id)
+
+    def swap_boot(self, boot: bytes) -> bytes | None:
+        """Record the boot this mount runs in; returns the one recorded before."""
+        def change(txn: Txn) -> bytes | None:
+            before = txn.get("settings", b"boot")
+            txn.put("settings", b"boot", boot)
+            return None if before is None else bytes(before)
+        return self._change(change)

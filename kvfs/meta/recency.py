@@ -1,0 +1,77 @@
+"""Use and room, what eviction (kvfs/space.py) reads: the recency index (files by last use),
+pins, the usage counters, the capacity and per-model usage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvfs.engine import Txn
+from kvfs.meta.base import MetaBase
+from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
+
+
+class RecencyOps(MetaBase):
+    """Files by last use, pins, and the counters of the space they take."""
+
+    def touch(self, uses: dict[int, int]) -> None:
+        """Record the last use (ns) of files, TOUCH_BATCH per transaction (each reads its
+        inodes at once); gone inodes are skipped."""
+        pending = list(uses.items())
+        for first in range(0, len(pending), TOUCH_BATCH):
+            batch = pending[first:first + TOUCH_BATCH]
+
+            def change(txn: Txn, batch: list[tuple[int, int]] = batch) -> None:
+                raws = txn.get_many("inode", [u64(ino) for ino, _ in batch])
+                for (ino, used_ns), raw in zip(batch, raws, strict=True):
+                    if raw is None:
+                        continue
+                    inode = Inode.unpack(ino, raw)
+                    if used_ns > inode.atime_ns:
+                        self._put(txn, replace(inode, atime_ns=used_ns))
+                        self._index_use(txn, inode, inode.atime_ns, used_ns)
+            self._change(change)
+
+    def least_recent(self, limit: int, after: bytes = b"") -> list[tuple[bytes, Inode]]:
+        """Up to `limit` files, least recently used first, each with its position; pass the
+        last position as `after` to continue."""
+        found = []
+        with self.engine.snapshot() as txn:
+            for key, _ in txn.scan("recency", after + b"\0" if after else b""):
+                raw = txn.get("inode", key[8:])
+                if raw is not None:
+                    found.append((bytes(key), Inode.unpack(from_u64(key[8:]), raw)))
+                if len(found) >= limit:
+                    break
+        return found
+
+    def pinned(self) -> set[int]:
+        with self.engine.snapshot() as txn:
+            return {from_u64(key) for key, _ in txn.scan("pins")}
+
+    def usage(self) -> Usage:
+        with self.engine.snapshot() as txn:
+            return Usage(self._capacity(txn), txn.count("counters", b"used_bytes"),
+                         txn.count("counters", b"files"))
+
+    def _capacity(self, txn: Txn) -> int:
+        raw = txn.get("settings", b"capacity")
+        return from_u64(raw) if raw else 0
+
+    def capacity(self) -> int:
+        with self.engine.snapshot() as txn:
+            return self._capacity(txn)
+
+    def set_capacity(self, capacity: int) -> None:
+        def change(txn: Txn) -> None:
+            txn.put("settings", b"capacity", u64(capacity))
+        self._change(change)
+
+    def models(self) -> dict[str, dict[str, int]]:
+        """Per-model usage (models that have files or bytes)."""
+        with self.engine.snapshot() as txn:
+            counts = txn.counts("models")
+        usage: dict[str, dict[str, int]] = {}
+        for key, value in counts.items():
+            model, _, kind = key.rpartition(b"\0")
+            usage.setdefault(model.decode(), {"files": 0, "bytes": 0})[kind.decode()] = value
+        return {model: used for model, used in usage.items() if used["files"] or used["bytes"]}

@@ -1,0 +1,51 @@
+"""Where code runs: the daemon's one rule.
+
+The trio loop (one thread) owns all in-memory state: the open-file table, space accounting,
+caches, holds, stats. It never waits on anything slow. Blocking work runs in a worker thread
+through `off_loop` and returns values; the awaiting task applies them to the loop's state
+when it resumes:
+- metadata changes (each returns once the group commit holding it has synced: many requests
+  wait at once, so concurrent creates share one LMDB sync),
+- every round trip to a shared engine (Redis), reads included,
+- volume I/O larger than a single small syscall, and hashing.
+
+Worker threads read and write only what they are handed and what the engines and the volume
+hold; the committer thread (kvfs/engine.py) runs only engine changes. Metadata reads of the
+embedded engine are memory-mapped lookups of microseconds: they run on the loop
+(`MetaReads`), while on a shared engine they are round trips and go to a worker.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import trio
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+# Requests that may wait in worker threads at once: enough for a full FUSE queue of
+# writers (max_background, 16 vLLM threads) to share one group commit.
+WORKERS = trio.CapacityLimiter(64)
+
+
+async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run blocking `function` in a worker thread; the loop serves other requests meanwhile.
+    Not abandoned on cancellation: a change, once started, finishes and is applied."""
+    return await trio.to_thread.run_sync(functools.partial(function, *args, **kwargs),
+                                         limiter=WORKERS)
+
+
+class MetaReads:
+    """Metadata reads on the loop's behalf: inline where they cannot block (LMDB), in a worker
+    where each is a network round trip (a shared engine)."""
+
+    def __init__(self, blocking: bool) -> None:
+        self.blocking = blocking
+
+    async def __call__(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        if self.blocking:
+            return await off_loop(function, *args, **kwargs)
+        return function(*args, **kwargs)

@@ -1,0 +1,107 @@
+"""Small-file stores, kvfs against the plain backing directory: files per second.
+
+    .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
+
+Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
+payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
+temporary name `O_CREAT|O_EXCL|O_WRONLY|O_TRUNC`, one write, close, `os.replace` onto the
+destination. The files go into one directory per run, spread over 16 subdirectories as
+vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
+reported with the ratio kvfs/plain. Needs root (mounting). The mount and the work directory
+(default bench-work/ in the repository) are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_io import REPO, KvfsMount
+from rich.console import Console
+from rich.table import Table
+
+PAYLOAD = os.urandom(4096)
+SUBDIRECTORIES = 16
+
+
+def store_files(root: Path, files: int, threads: int) -> float:
+    """Store `files` files from `threads` threads at once; returns files per second."""
+    for sub in range(SUBDIRECTORIES):
+        (root / f"{sub:02x}").mkdir(parents=True)
+    barrier = threading.Barrier(threads + 1)
+
+    def worker(index: int) -> None:
+        suffix = f"_{os.getpid()}_{index}.tmp"
+        barrier.wait()
+        for number in range(index, files, threads):
+            dest = os.path.join(root, f"{number % SUBDIRECTORIES:02x}", f"{number:016x}.bin")
+            if os.path.exists(dest):
+                continue
+            fd = os.open(dest + suffix, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC,
+                         0o644)
+            try:
+                os.write(fd, PAYLOAD)
+            finally:
+                os.close(fd)
+            os.replace(dest + suffix, dest)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in workers:
+        thread.join()
+    return files / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=2000, help="files per run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per case (median)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
+    args = parser.parse_args()
+    console = Console(highlight=False)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
+    roots = {"plain": work / "plain", "kvfs": work / "mnt"}
+    for root in roots.values():
+        root.mkdir()
+    mount = KvfsMount(work / "data", roots["kvfs"], [])
+    rates: dict[tuple[str, int], list[float]] = {}
+    try:
+        mount.mount()
+        for threads in args.threads:
+            for run in range(args.runs):
+                for target in ("plain", "kvfs") if run % 2 == 0 else ("kvfs", "plain"):
+                    root = roots[target] / f"t{threads}-r{run}"
+                    rate = store_files(root, args.files, threads)
+                    rates.setdefault((target, threads), []).append(rate)
+                    console.print(f"{threads:>2} threads, run {run + 1}, {target}: "
+                                  f"{rate:,.0f} files/s")
+                    shutil.rmtree(root)
+    finally:
+        mount.unmount()
+        shutil.rmtree(work, ignore_errors=True)
+    table = Table(title=f"store of {args.files:,} × 4 KiB files (exists, O_EXCL temp, write, "
+                        f"close, rename); median of {args.runs}")
+    for column in ("threads", "plain files/s", "kvfs files/s", "kvfs/plain"):
+        table.add_column(column, justify="right")
+    for threads in args.threads:
+        plain = statistics.median(rates[("plain", threads)])
+        kvfs = statistics.median(rates[("kvfs", threads)])
+        table.add_row(str(threads), f"{plain:,.0f}", f"{kvfs:,.0f}", f"{kvfs / plain:.3f}")
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
