@@ -172,7 +172,7 @@ class BlockCache:
                     self.stats.readahead_errors += 1
                     log.warning("readahead of blob %016x stopped: %s", info.blob_id, error)
                     for later in runs[position + 1:]:
-                        self._settle(info, *later, loaded=False)
+                        self._finish_run(info, *later, loaded=False)
                     return
         finally:
             os.close(fd)
@@ -190,9 +190,9 @@ class BlockCache:
                     self._insert((info.blob_id, index), slot, len(view))
             return views
         finally:
-            self._settle(info, block, slots, event, loaded)
+            self._finish_run(info, block, slots, event, loaded)
 
-    def _settle(self, info: BlobInfo, block: int, slots: list[memoryview], event: trio.Event,
+    def _finish_run(self, info: BlobInfo, block: int, slots: list[memoryview], event: trio.Event,
                 loaded: bool) -> None:
         """A run is over: free its slots unless cached, clear its marks, wake its waiters."""
         if not loaded:

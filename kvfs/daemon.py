@@ -26,6 +26,7 @@ from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
 from kvfs.passthrough import Passthrough
+from kvfs.reaper import recover
 from kvfs.records import FsError
 from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
 from kvfs.space import Space
@@ -105,7 +106,7 @@ class Daemon:
         self.data = self.volume.open_data(config.fsync or self.shared, session_id)
         # One host recovers its own crash now; in a shared pool every mount is a new
         # session, and dead ones are cleaned up by whichever live host claims them first.
-        pending = [] if self.shared else self.volume.recover(self.meta, self.data)
+        pending = [] if self.shared else recover(self.meta, self.data, self.volume)
         if config.capacity is not None:
             self.meta.set_capacity(config.capacity)
         elif not self.meta.capacity():
@@ -132,7 +133,7 @@ class Daemon:
                                          SHARED_CACHING if self.shared else ONE_HOST_CACHING)
 
     def _staged(self) -> int:
-        return self.space.inflight
+        return self.space.staged
 
     def _open_inodes(self) -> frozenset[int]:
         return self.files.open_inodes()
@@ -199,7 +200,7 @@ class Daemon:
         self.notifier.stop()
         try:
             self.meta.touch(self.space.take_uses())
-            self.files.hasher.settle_remaining()
+            self.files.hasher.take_remaining_sums()
             self.files.reap_remaining()
             if self.shared:
                 self._leave_pool()

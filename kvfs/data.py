@@ -461,6 +461,14 @@ class StagedFile:
                                   pending)
         return self._finished
 
+    def mark_committed(self) -> None:
+        """The metadata commit naming this blob went through: never deleted from here on."""
+        self.committed = True
+
+    def flushed(self) -> None:
+        """Its content is committed and published: nothing to commit until the next change."""
+        self.changed = False
+
     def publish(self) -> None:
         if not self.published:
             self.store.publish(self.blob_id)

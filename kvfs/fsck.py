@@ -17,12 +17,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from kvfs.data import DataStore
+from kvfs.data import ChecksumError, DataStore
 from kvfs.engine import Txn
 from kvfs.meta import MODEL_BYTES, MODEL_FILES, ROOT_INO, Inode, MetaStore, u64
 from kvfs.models import model_of
+from kvfs.reaper import reap_doomed, recover
 from kvfs.records import BlobInfo
-from kvfs.volume import Volume, VolumeError, finish_unlinks
+from kvfs.verify import take_sums
+from kvfs.volume import Volume, VolumeError
 
 
 class FsckError(Exception):
@@ -53,7 +55,7 @@ def run(data_dir: Path, repair: bool, console: Console | None = None,
         live = [session for session in meta.sessions() if meta.engine.alive(session)]
         if live:
             raise FsckError(f"{data_dir} is mounted by {len(live)} hosts; unmount them first")
-        checker = Checker(meta, volume.open_data(), console)
+        checker = Checker(meta, volume, volume.open_data(), console)
         problems = checker.check(repair)
     finally:
         meta.close()
@@ -68,8 +70,10 @@ def run(data_dir: Path, repair: bool, console: Console | None = None,
 
 
 class Checker:
-    def __init__(self, meta: MetaStore, data: DataStore, console: Console) -> None:
+    def __init__(self, meta: MetaStore, volume: Volume, data: DataStore,
+                 console: Console) -> None:
         self.meta = meta
+        self.volume = volume
         self.data = data
         self.console = console
         self.problems = 0
@@ -90,7 +94,8 @@ class Checker:
             self.report("left by a crash: " + ", ".join(
                 f"{count} {what}" for what, count in leftovers.items() if count))
             if repair:
-                Volume.recover(self.meta, self.data)
+                for blob_id in recover(self.meta, self.data, self.volume):
+                    self._take_sums(blob_id)
         inodes = {inode.ino: inode for inode in self.meta.inodes()}
         self._check_entries(inodes, repair)
         blobs = {blob.blob_id: blob for blob in self.meta.blobs()}
@@ -148,7 +153,18 @@ class Checker:
                 if repair:
                     self.meta.drop_files([inode.ino])
         if repair:
-            finish_unlinks(self.meta, self.data)
+            reap_doomed(self.meta, self.data)
+
+    def _take_sums(self, blob_id: int) -> None:
+        """A file written in this boot whose sums a host had not taken yet: take them now;
+        drop the file if its data is not what was committed."""
+        try:
+            take_sums(self.meta, self.data, blob_id)
+        except ChecksumError as error:
+            info = self.meta.blob_info(blob_id)
+            self.report(f"blob {blob_id:016x}: {error}")
+            if info is not None:
+                self.meta.drop_files([info.ino])
 
     def _check_orphan_data(self, blobs: dict[int, BlobInfo], repair: bool) -> None:
         known = set(self.meta.doomed()) | {blob.blob_id for blob in self.meta.blobs()}

@@ -58,11 +58,13 @@ from kvfs.data import (
 )
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaReads, off_loop
-from kvfs.passthrough import LateHasher, Passthrough, Verifier
+from kvfs.passthrough import Passthrough
+from kvfs.reaper import reap_doomed
 from kvfs.records import BlobInfo, FsError, fail
 from kvfs.sessions import Session
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.verify import LateHasher, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +319,7 @@ class FileTable:
         inode, blob = await self.read_meta(self.meta.content, ino)
         if blob is not None and blob.pending:
             try:
-                await self.hasher.settle(blob.blob_id)
+                await self.hasher.take_sums(blob.blob_id)
             except ChecksumError as error:
                 await self._drop_damaged(inode, str(error), blob)
                 raise fail(errno.EIO) from None
@@ -411,7 +413,7 @@ class FileTable:
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
-            self.space.inflight -= handle.reserved
+            self.space.unstage(handle.reserved)
             handle.reserved = 0
             return self._served_writer(handle)
         state.backing = Backing(staged.blob_id, backing_id, writable=True)
@@ -474,7 +476,7 @@ class FileTable:
             await self.flush(handle)
         finally:
             self._discard_staged(handle)
-            self.space.inflight -= handle.reserved
+            self.space.unstage(handle.reserved)
             if handle.fd is not None:
                 os.close(handle.fd)
             state = self._open[handle.ino]
@@ -564,9 +566,7 @@ class FileTable:
             await off_loop(self._reap, doomed)
 
     def _reap(self, doomed: list[int]) -> None:
-        for blob_id in doomed:
-            self.data.remove(blob_id)
-        self.meta.reaped(doomed)
+        reap_doomed(self.meta, self.data, doomed)
 
     # -- data ----------------------------------------------------------------------------
 
@@ -661,11 +661,11 @@ class FileTable:
                 return staged
             handle.staged = StagedFile.again(staged, await self._new_blob_id())
             self._discard_staged_file(staged)
-            self.space.inflight += handle.staged.physical
+            self.space.stage(handle.staged.physical)
             return handle.staged
         before = staged.physical
         staged.take_kernel_writes()
-        self.space.inflight += staged.physical - before
+        self.space.stage(staged.physical - before)
         return staged
 
     async def _new_blob_id(self) -> int:
@@ -683,7 +683,7 @@ class FileTable:
         try:
             return change()
         finally:
-            self.space.inflight += staged.physical - before
+            self.space.stage(staged.physical - before)
 
     async def flush(self, handle: Handle) -> bool:
         """Commit what this handle wrote: one metadata transaction makes it visible whole.
@@ -705,7 +705,7 @@ class FileTable:
                 await off_loop(staged.publish)
             self._publishing_over(staged.blob_id)
             self.verifier.written(staged.blob_id, staged.fd)
-            staged.changed = False
+            staged.flushed()
             if not handle.backing:
                 staged.close()
                 handle.staged = None
@@ -726,10 +726,10 @@ class FileTable:
                 raise
             self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
-        staged.committed = True
+        staged.mark_committed()
         if blob.pending:
             self.hasher.want(blob.blob_id)
-        self.space.inflight -= staged.physical  # now counted in the metadata's used bytes
+        self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
         self.free_blob(old_blob)
         # Later writes on this handle start from what it just committed.
         old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
@@ -767,7 +767,7 @@ class FileTable:
                 log.error("publishing blob %016x failed: %s", staged.blob_id, error)
             self._publishing_over(staged.blob_id)
         else:
-            self.space.inflight -= staged.physical
+            self.space.unstage(staged.physical)
         staged.discard()
 
     async def _drop_damaged(self, inode: Inode, reason: str,

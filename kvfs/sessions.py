@@ -39,9 +39,9 @@ import trio
 from kvfs.data import DataStore
 from kvfs.meta import MetaStore, u64
 from kvfs.offloop import off_loop
-from kvfs.passthrough import boot_id
+from kvfs.reaper import clean_up_after, reap_doomed
 from kvfs.stats import Stats
-from kvfs.volume import Volume
+from kvfs.volume import Volume, boot_id
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def new_session_id(meta: MetaStore) -> bytes:
 class UpkeepRound:
     """What one upkeep round found, for the loop to apply."""
 
-    others_staged: int  # bytes other hosts' writers have staged
+    staged_elsewhere: int  # bytes other hosts' writers have staged
     lost: bool  # this session had been declared dead (and has rejoined)
     reaped: int  # dead sessions this host cleaned up after
     want_sums: list[int]  # their pending blobs, to be hashed here
@@ -76,7 +76,7 @@ class Session:
         self.ttl = ttl
         self.shared = meta.engine.shared
         self.id = meta.session
-        self.others_staged = 0  # bytes other hosts' writers have staged (last heard)
+        self.staged_elsewhere = 0  # bytes other hosts' writers have staged (last heard)
         self._held: Counter[int] = Counter()
         self._recording_locks: dict[int, trio.Lock] = {}
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
@@ -141,7 +141,7 @@ class Session:
         while True:
             try:
                 round_ = await off_loop(self._upkeep, staged(), list(self._held))
-                self.others_staged = round_.others_staged
+                self.staged_elsewhere = round_.staged_elsewhere
                 self.stats.sessions_lost += round_.lost
                 self.stats.sessions_reaped += round_.reaped
                 for blob_id in round_.want_sums:
@@ -195,27 +195,10 @@ class Session:
             if not self.meta.end_session(session):
                 continue  # another host claimed it first
             self._seen_dead.pop(session, None)
-            wanted += self.clean_up_after(session, record)
+            wanted += clean_up_after(self.meta, self.data, self.volume, session,
+                                     record).to_hash
             reaped += 1
         return reaped, wanted
-
-    def clean_up_after(self, session: bytes, record: dict) -> list[int]:
-        directory = self.data.staging_root / session.hex()
-        published, discarded = (self.data.recover(self.meta.is_committed_blob, directory)
-                                if directory.is_dir() else (0, 0))
-        pending = self.meta.pending(session)
-        same_boot = record.get("boot") == boot_id()
-        if pending and not same_boot:
-            self.meta.drop_files({ino for _, ino in pending})
-        with_sums = [blob_id for blob_id, _ in pending] if same_boot else []
-        if directory.is_dir():
-            directory.rmdir()
-        self.volume.forget_mount(session)
-        log.warning("host %s (pid %s, session %s) stopped: %d staged blobs published, %d "
-                    "discarded, %d files with pending sums %s", record.get("host"),
-                    record.get("pid"), session.hex(), published, discarded, len(pending),
-                    "to hash" if same_boot else "dropped (another boot)")
-        return with_sums
 
     # -- the doomed sweep ----------------------------------------------------------------
 
@@ -233,18 +216,10 @@ class Session:
                 await self._sweep_wanted.wait()
             self._sweep_wanted = trio.Event()
             try:
-                await off_loop(self.reap_doomed)
+                await off_loop(reap_doomed, self.meta, self.data)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("deleting doomed data files failed; the next sweep retries")
-
-    def reap_doomed(self) -> int:
-        reaped = [blob_id for blob_id in self.meta.doomed()
-                  if not self.meta.holders(blob_id) and not self.data.staged_anywhere(blob_id)]
-        for blob_id in reaped:
-            self.data.remove(blob_id)
-        self.meta.reaped(reaped)
-        return len(reaped)
 
     def end(self) -> None:
         """A clean unmount: its staging directory goes (what a failed publish left there is
@@ -258,4 +233,4 @@ class Session:
         self.data.staging_dir.rmdir()
         self.meta.end_session(self.id)
         self.volume.forget_mount(self.id)
-        self.reap_doomed()
+        reap_doomed(self.meta, self.data)

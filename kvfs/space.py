@@ -58,7 +58,7 @@ class Space:
         self.stats = stats
         self.open_inodes = open_inodes  # a snapshot, taken on the loop
         self.evicted = evicted  # retires the victims (kvfs/handles.py)
-        self.inflight = 0  # bytes staged by open write handles
+        self.staged = 0  # bytes this host's open write handles have staged (and reserved)
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
         # Room measured by the last full check, spent by later reservations until it runs out
         # or gets old (the volume's free space can change behind our back).
@@ -71,7 +71,7 @@ class Space:
 
     async def used(self) -> int:
         committed = (await self.read_meta(self.meta.usage)).used
-        return committed + self.inflight + self.session.others_staged
+        return committed + self.staged + self.session.staged_elsewhere
 
     async def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
@@ -111,8 +111,16 @@ class Space:
             await self.reserve(KERNEL_WRITER_RESERVE)
         except FsError:
             return 0
-        self.inflight += KERNEL_WRITER_RESERVE
+        self.stage(KERNEL_WRITER_RESERVE)
         return KERNEL_WRITER_RESERVE
+
+    def stage(self, growth: int) -> None:
+        """Count bytes a writer staged (or reserved) on this host; negative: it shrank."""
+        self.staged += growth
+
+    def unstage(self, size: int) -> None:
+        """Bytes staged here left: committed (now counted in the metadata) or discarded."""
+        self.staged -= size
 
     # -- recency -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""A kvfs volume on disk: its layout, its lock, and what recovery does after a crash.
+"""A kvfs volume on disk: its layout and its lock (recovery after a crash: kvfs/reaper.py).
 
 The one owner of the data directory's layout; the daemon (kvfs/daemon.py) and `kvfs fsck`
 (kvfs/fsck.py) both go through it:
@@ -27,7 +27,6 @@ import lmdb
 from kvfs.data import DataStore
 from kvfs.engine import Engine, LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, MetaStore
-from kvfs.passthrough import boot_id
 from kvfs.records import FsError
 
 log = logging.getLogger(__name__)
@@ -38,6 +37,12 @@ LOG_NAME = "kvfs.log"
 VERIFIED_NAME = "verified-blobs"
 SHARED_NAME = "shared-metadata"
 MOUNTS_NAME = "mounts"
+
+
+def boot_id() -> str:
+    """This machine's boot: page caches, and kernel writes not yet on the volume, live as
+    long as it."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
 class VolumeError(Exception):
@@ -158,40 +163,3 @@ class Volume:
             if Path(where) == mountpoint:
                 return int(pid)
         return 0
-
-    @staticmethod
-    def recover(meta: MetaStore, data: DataStore) -> list[int]:
-        """Finish what a crash interrupted: staged blobs and unlinks. Touches no committed
-        data, except files the kernel wrote whose sums were still to be taken when the machine
-        went down: their bytes may not have reached the volume, so they are dropped (a miss,
-        not a wrong chunk). Returns the blobs whose sums are still to be taken (same boot)."""
-        published, discarded = data.recover(meta.is_committed_blob)
-        for session in meta.sessions():  # a shared pool's hosts, all gone (fsck)
-            directory = data.staging_root / session.hex()
-            if directory.is_dir():
-                counts = data.recover(meta.is_committed_blob, directory)
-                published, discarded = published + counts[0], discarded + counts[1]
-                directory.rmdir()
-            meta.drop_files({ino for _, ino in meta.pending(session)})
-            meta.end_session(session)
-        pending = meta.pending()
-        this_boot = boot_id().encode()
-        rebooted = meta.swap_boot(this_boot) != this_boot
-        if pending and rebooted:
-            meta.drop_files({ino for _, ino in pending})
-            log.warning("recovery: %d files written just before a reboot dropped (their "
-                        "checksums were not taken yet)", len(pending))
-        unlinks = finish_unlinks(meta, data)
-        if published or discarded or unlinks:
-            log.info("recovery: %d staged blobs published, %d discarded, %d unlinks finished",
-                     published, discarded, unlinks)
-        return [] if rebooted else [blob_id for blob_id, _ in pending]
-
-
-def finish_unlinks(meta: MetaStore, data: DataStore) -> int:
-    """Delete the data files of doomed blobs, then their records; returns how many."""
-    doomed = meta.doomed()
-    for blob_id in doomed:
-        data.remove(blob_id)
-    meta.reaped(doomed)
-    return len(doomed)

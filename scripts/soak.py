@@ -64,7 +64,7 @@ from typing import Any
 
 from local_redis import LocalRedis
 
-from kvfs.meta import recount
+from kvfs.fsck import recount
 from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from lmcache_engines import Engines
 
-from kvfs.meta import recount
+from kvfs.fsck import recount
 from kvfs.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent

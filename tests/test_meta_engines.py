@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.engine import Engine, LmdbEngine
+from kvfs.fsck import recount
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
     FAMILIES,
@@ -36,7 +37,6 @@ from kvfs.meta import (
     Inode,
     MetaStore,
     Removed,
-    recount,
 )
 from kvfs.records import BlobInfo, FsError
 from kvfs.redis_engine import RedisEngine
@@ -611,10 +611,10 @@ def test_content_blobs_and_usage(meta: MetaStore) -> None:
     meta.commit_content(g.ino, pending)
     assert meta.pending() == [(pending.blob_id, g.ino)]
     assert meta.blob_info(pending.blob_id).pending
-    settled = meta.settle(pending.blob_id, array("Q", [7, 8]))
+    settled = meta.record_sums(pending.blob_id, array("Q", [7, 8]))
     assert settled is not None and not settled.pending and list(settled.sums) == [7, 8]
     assert meta.pending() == [] and meta.blob_info(pending.blob_id) == settled
-    assert meta.settle(first.blob_id, array("Q")) is None  # replaced long ago
+    assert meta.record_sums(first.blob_id, array("Q")) is None  # replaced long ago
     assert meta.usage().used == 2 * BLOCK
 
 

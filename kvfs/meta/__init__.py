@@ -9,14 +9,12 @@ transactions of a metadata engine (kvfs/engine.py, kvfs/redis_engine.py):
     recency.py    use and room: recency index, pins, usage counters, capacity, models
     formats.py    formatting and migrating the store's format
 
-fsck's repairs and `recount` live with fsck (kvfs/fsck.py); `recount` is importable from here
-too (loaded on first use: kvfs/fsck.py imports this package).
+fsck's repairs and `recount` live with fsck (kvfs/fsck.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from kvfs.engine import Engine
 from kvfs.meta.content import ContentOps
@@ -51,14 +49,11 @@ from kvfs.meta.schema import (
     u64,
 )
 
-if TYPE_CHECKING:
-    from kvfs.fsck import recount
-
 __all__ = [
     "DEFAULT_MAP_SIZE", "FAMILIES", "FORMAT", "ID_BATCH", "LINK_MAX", "MODEL_BYTES",
     "MODEL_FILES", "NAME_MAX", "PATH_MAX", "PIN_XATTR", "READDIR_BATCH", "RENAME_EXCHANGE",
     "RENAME_NOREPLACE", "ROOT_INO", "TOUCH_BATCH", "V1_FORMAT", "V2_FORMAT", "XATTR_VALUE_MAX",
-    "Inode", "MetaStore", "Removed", "Usage", "check_name", "from_u64", "recount", "u64",
+    "Inode", "MetaStore", "Removed", "Usage", "check_name", "from_u64", "u64",
 ]
 
 
@@ -81,11 +76,3 @@ class MetaStore(NamespaceOps, ContentOps, PoolOps, RecencyOps, FormatOps):
     def close(self) -> None:
         self.engine.close()
 
-
-def __getattr__(name: str) -> object:
-    """`recount` is fsck's (kvfs/fsck.py), imported on first use: kvfs/fsck.py imports this
-    package, through kvfs/volume.py too, so importing it here at once would be a cycle."""
-    if name == "recount":
-        from kvfs.fsck import recount
-        return recount
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

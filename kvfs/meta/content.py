@@ -1,5 +1,5 @@
 """File content: blob records and their ids, committing a file's new content, block sums still
-to take (pending, settle), data files to delete (doomed, reaped), and dropping whole files
+to take (pending, record_sums), data files to delete (doomed, reaped), and dropping whole files
 (eviction, lost data)."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ContentOps(MetaBase):
                     found.append((from_u64(key), BlobInfo.unpack(from_u64(key), raw).ino))
             return found
 
-    def settle(self, blob_id: int, sums: array) -> BlobInfo | None:
+    def record_sums(self, blob_id: int, sums: array) -> BlobInfo | None:
         """Record the block sums of a pending blob; None if it is gone (replaced, removed)."""
         def change(txn: Txn) -> BlobInfo | None:
             raw = txn.get("blob", u64(blob_id))
