@@ -20,8 +20,8 @@ import trio
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
+from kvfs.files import FileTable
 from kvfs.fuse_ops import ONE_HOST_CACHING, SHARED_CACHING, KernelNotifier, KvfsOperations
-from kvfs.handles import FileTable
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount

@@ -25,7 +25,7 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
-from kvfs.handles import Caller, FileTable
+from kvfs.files import Caller, FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
 from kvfs.offloop import MetaReads, off_loop
 from kvfs.passthrough import Passthrough

@@ -57,7 +57,7 @@ class Space:
         self.volume = volume
         self.stats = stats
         self.open_inodes = open_inodes  # a snapshot, taken on the loop
-        self.evicted = evicted  # retires the victims (kvfs/handles.py)
+        self.evicted = evicted  # retires the victims (kvfs/files/retiring.py)
         self.staged = 0  # bytes this host's open write handles have staged (and reserved)
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
         # Room measured by the last full check, spent by later reservations until it runs out

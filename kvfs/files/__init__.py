@@ -1,0 +1,337 @@
+"""Open files: snapshot readers, staged writers, commit on close, page-cache policy, and the
+retirement of files that lost their last name. In layers, each calling only those below it:
+
+    state.py     handles, what is open per inode, the attributes a writer sees (FileState)
+    retiring.py  files that lost their last name; the reaper of their data files
+    writing.py   staged writes, commit and publish on flush
+    __init__.py  FileTable: open (page-cache policy, passthrough backing files), read, release
+
+Close-to-open isolation: a read handle reads the blob the inode pointed at when it was opened;
+a write handle fills a private staged blob that its flush (close) commits in one metadata
+transaction. Concurrent writers of one name each have their own blob; the last to close wins.
+Hashing, the metadata commit and publishing run in worker threads: requests keep flowing.
+
+Passthrough (where the kernel grants it, kvfs/passthrough.py): a reader's open verifies the
+whole blob, then hands it to the kernel, which serves every read from the blob's own page
+cache without the daemon. All passthrough readers of an inode share one backing file, and the
+kernel accepts no other open of the inode beside them: a writer or a reader of another version
+waits for them to close (EBUSY if they stay), and readers arriving meanwhile wait too. Opens
+the daemon serves (writers, O_DIRECT readers, readers beside a writer) are direct_io.
+
+Without passthrough: the first read of a version bypasses the kernel page cache (direct_io):
+the kernel then sends a whole chunk's requests at once, answered as the volume delivers,
+without filling pages nobody may read again. A version opened again is read through the page
+cache and kept there across opens (keep_cache): committed blobs are immutable, so a chunk
+read by several instances is then served from kernel memory. Handles that could disagree
+with the cached pages bypass it too: writers, and readers opened while a writer is open or
+another handle of the same inode reads a different version.
+
+The kernel keeps one size and one page cache per inode, and a writer's open (O_TRUNC) and
+writes change them for every handle. So a writer of a file that page-cache readers have open
+waits (up to WRITER_WAIT_SECONDS) for them to close, and stat shows the committed size only.
+
+Retiring: a file whose last name went (unlink, rename over it, eviction, lost data) keeps
+serving its open handles; its blob is doomed in the same metadata transaction and its data
+file deleted by the reaper, in a worker thread, off the request loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import replace
+
+import trio
+
+from kvfs.data import ChecksumError, check_file_size
+from kvfs.files.state import WRITER_WAIT_SECONDS, Backing, Caller, Handle, Opened, OpenInode
+from kvfs.files.writing import WritingOps
+from kvfs.meta import Inode
+from kvfs.records import BlobInfo, fail
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Caller", "FileTable", "Handle", "Opened"]
+
+
+class FileTable(WritingOps):
+    async def open(self, inode: Inode, flags: int, caller: Caller,
+                   created: bool = False) -> Opened:
+        """Open a file; `created`: by the request that made it (its maker may write through
+        the kernel)."""
+        self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
+        try:
+            opened = await self._open_file(inode, flags, caller, created)
+            return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
+        finally:
+            self._opening[inode.ino] -= 1
+            if not self._opening[inode.ino]:
+                del self._opening[inode.ino]
+
+    async def _open_file(self, inode: Inode, flags: int, caller: Caller,
+                         created: bool) -> Opened:
+        if inode.is_dir:
+            raise fail(errno.EISDIR)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
+            inode = await self.truncate_path(inode, 0, caller)
+        if writable:
+            await self._wait_for_kernel_users(inode.ino)
+        # Read again, with its blob record in one snapshot: commits run in worker threads,
+        # so it may have changed since the lookup.
+        inode, blob = await self._content(inode.ino)
+        if self._backing_conflict(inode.ino, writable, flags, blob):
+            await self._wait_for_kernel_users(inode.ino)
+            inode, blob = await self._content(inode.ino)
+        inode, blob = await self._hold(inode, blob)
+        try:
+            fd = await self._open_blob(inode, blob)
+            if self._passes_through(writable, flags, blob):
+                assert blob is not None and fd is not None  # a blob: _open_blob opened it
+                await self._verify_whole(inode, blob, fd)
+            if self._backing_conflict(inode.ino, writable, flags, blob):
+                if fd is not None:
+                    os.close(fd)
+                raise fail(errno.EBUSY)  # passthrough readers of another version stay open
+        except BaseException:
+            if blob is not None:
+                await self.session.release(blob.blob_id)
+            raise
+        handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
+                        inode.version, blob, fd,
+                        kill_privs=caller if writable and caller.uid else None)
+        self.space.touch(inode.ino)
+        state = self._open.setdefault(inode.ino, OpenInode(inode))
+        state.inode = inode
+        contended = state.writers_waiting or any(
+            h.version != inode.version or h.writable for h in state.handles)
+        state.handles.add(handle)
+        self._handles[handle.fh] = handle
+        if writable and flags & os.O_TRUNC:
+            await self.truncate(handle, 0)
+            await self._clear_privileges(handle)  # truncation by open is a write: it clears them
+        if self.passthrough.available():
+            if writable:
+                return await self._open_writer(state, handle, flags, created)
+            return self._open_for_passthrough(state, handle,
+                                              self._passes_through(writable, flags, blob))
+        self.stats.opens_daemon += not writable
+        keep = self._cached_version.get(inode.ino) == inode.version
+        first_read = self._read_directly.get(inode.ino) != inode.version
+        if not (writable or keep) and fd is not None:
+            self.data.will_read(fd)  # the kernel's pages are not there: reads will come here
+        if writable or contended or (first_read and not keep):
+            if not writable:
+                self._read_directly[inode.ino] = inode.version
+            return Opened(handle.fh, direct_io=True, keep_cache=True)
+        handle.page_cache = True
+        self._cached_version[inode.ino] = inode.version
+        return Opened(handle.fh, direct_io=False, keep_cache=keep)
+
+    async def _content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+        """The inode and its blob record, with block sums: those of a blob the kernel wrote
+        are taken first if the background has not yet (EIO, the file dropped, if its data
+        file is not what was committed)."""
+        inode, blob = await self.read_meta(self.meta.content, ino)
+        if blob is not None and blob.pending:
+            try:
+                await self.hasher.take_sums(blob.blob_id)
+            except ChecksumError as error:
+                await self._drop_damaged(inode, str(error), blob)
+                raise fail(errno.EIO) from None
+            inode, blob = await self.read_meta(self.meta.content, ino)
+        return inode, blob
+
+    async def _hold(self, inode: Inode, blob: BlobInfo | None
+                    ) -> tuple[Inode, BlobInfo | None]:
+        """Hold the blob about to be opened (released with the handle). In a shared pool the
+        hold is recorded first and the inode read again: a blob that another host replaced
+        in between may already be on its way out, so the new one is held instead."""
+        while blob is not None:
+            await self.session.hold(blob.blob_id)
+            if not self.session.shared:
+                break
+            try:
+                again, again_blob = await self._content(inode.ino)
+            except BaseException:
+                await self.session.release(blob.blob_id)  # removed meanwhile, by another host
+                raise
+            if again_blob is not None and again_blob.blob_id == blob.blob_id:
+                return again, again_blob
+            await self.session.release(blob.blob_id)
+            inode, blob = again, again_blob
+        return inode, blob
+
+    def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
+        """Readers of a committed blob, not O_DIRECT (the kernel would read the blob with
+        the caller's flags, and O_DIRECT needs aligned buffers on the volume)."""
+        return (not writable and not flags & os.O_DIRECT and blob is not None
+                and self.passthrough.available())
+
+    def _backing_conflict(self, ino: int, writable: bool, flags: int,
+                          blob: BlobInfo | None) -> bool:
+        """The kernel keeps one backing file per inode and then accepts only opens that use
+        it: a writer, or a reader of another version, must wait for those readers. So must
+        a new reader while a writer waits: the readers drain instead of starving it."""
+        state = self._open.get(ino)
+        if state is None or state.backing is None:
+            return False
+        return not (self._passes_through(writable, flags, blob) and blob is not None
+                    and state.backing.blob_id == blob.blob_id and not state.backing.writable
+                    and not state.writers_waiting)
+
+    async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
+        """Check every block before the kernel may read the blob (EIO and the file dropped
+        if one is bad)."""
+        try:
+            await self.verifier.verify(fd, blob)
+        except ChecksumError as error:
+            os.close(fd)
+            await self._drop_damaged(inode, str(error), blob)
+            raise fail(errno.EIO) from None
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
+        """With passthrough on the mount: readers share the inode's backing file; the rest
+        (O_DIRECT readers, readers while a writer is open) are served by the daemon, always
+        direct_io, since the kernel does not mix page-cache and passthrough opens."""
+        others_served_here = any(not h.backing for h in state.handles if h is not handle)
+        if (wanted and handle.blob is not None and not others_served_here
+                and not state.writers_waiting):
+            backing = state.backing
+            if backing is None:
+                backing_id = self.passthrough.register(handle.fd) if handle.fd else None
+                if backing_id is not None:
+                    backing = state.backing = Backing(handle.blob.blob_id, backing_id, 0)
+            if backing is not None and backing.blob_id == handle.blob.blob_id:
+                backing.users += 1
+                handle.backing = True
+                self.stats.opens_passthrough += 1
+                return Opened(handle.fh, direct_io=False, keep_cache=False,
+                              backing_id=backing.backing_id)
+        self.stats.opens_daemon += 1
+        return Opened(handle.fh, direct_io=True, keep_cache=True)
+
+    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int,
+                           created: bool) -> Opened:
+        """The maker of a new file (LMCache's `<key>.tmp`), alone on it, writes through the
+        kernel straight into its staged file, in room reserved up front. Others are served
+        here, direct_io, each write accounted and hashed as it comes: a reader that opens a
+        file beside a kernel writer cannot be (the kernel takes no other open of the inode)
+        and waits for it, so rewrites of files others may be reading stay served here."""
+        inode = state.inode
+        if (not created or flags & os.O_DIRECT or len(state.handles) > 1
+                or state.writers_waiting or self._opening[inode.ino] > 1):
+            return self._served_writer(handle)
+        staged = await self._staged(handle)
+        handle.reserved = await self.space.reserve_for_kernel_writer()
+        backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
+        if backing_id is None:
+            self.space.unstage(handle.reserved)
+            handle.reserved = 0
+            return self._served_writer(handle)
+        state.backing = Backing(staged.blob_id, backing_id, writable=True)
+        handle.backing = True
+        handle.changed_at = next(self._clock)
+        self.stats.write_opens_passthrough += 1
+        return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
+
+    def _served_writer(self, handle: Handle) -> Opened:
+        self.stats.write_opens_daemon += 1
+        return Opened(handle.fh, direct_io=True, keep_cache=True)
+
+    async def _wait_for_kernel_users(self, ino: int) -> None:
+        """Let readers the kernel serves itself (page cache, passthrough) finish before a
+        writer or a reader of another version changes the kernel's view of `ino`."""
+        state = self._open.get(ino)
+        if state is None or not state.kernel_users():
+            return
+        state.writers_waiting += 1
+        try:
+            with trio.move_on_after(WRITER_WAIT_SECONDS):
+                while state.kernel_users():
+                    if state.kernel_users_gone is None:
+                        state.kernel_users_gone = trio.Event()
+                    await state.kernel_users_gone.wait()
+            if state.kernel_users():
+                log.info("%r: kernel readers still open after %.0f s", state.inode.name,
+                         WRITER_WAIT_SECONDS)
+        finally:
+            state.writers_waiting -= 1
+            self._forget_if_unused(state)
+
+    async def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
+        if blob is None:
+            return None
+        try:
+            return self.data.open_blob(blob.blob_id)
+        except FileNotFoundError:
+            if not await self.read_meta(self.meta.is_committed_blob, blob.blob_id):
+                raise fail(errno.ENOENT) from None  # evicted or replaced just now
+            await self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
+            raise fail(errno.ENOENT) from None
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh)
+        try:
+            await self.flush(handle)
+        finally:
+            self._discard_staged(handle)
+            self.space.unstage(handle.reserved)
+            if handle.fd is not None:
+                os.close(handle.fd)
+            state = self._open[handle.ino]
+            state.handles.discard(handle)
+            if handle.backing and state.backing is not None:
+                state.backing.users -= 1
+                if not state.backing.users:
+                    self.passthrough.unregister(state.backing.backing_id)
+                    state.backing = None
+            if state.kernel_users_gone is not None and not state.kernel_users():
+                state.kernel_users_gone.set()
+                state.kernel_users_gone = None
+            self._forget_if_unused(state)
+            if handle.blob is not None:
+                await self.session.release(handle.blob.blob_id)
+
+    def forget(self, ino: int) -> None:
+        """The kernel dropped the inode, and with it any cached pages."""
+        self._cached_version.pop(ino, None)
+        self._read_directly.pop(ino, None)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
+        handle = self.handle(fh)
+        self.space.touch(handle.ino)
+        data: bytes | bytearray | memoryview
+        if handle.staged is not None:
+            data = handle.staged.read(offset, size)
+        elif handle.blob is None:
+            data = b""
+        else:
+            assert handle.fd is not None  # a handle's blob and its open file go together
+            try:
+                data = await self.cache.read(handle.fd, handle.blob, offset, size)
+            except ChecksumError as error:
+                await self._drop_damaged(self._open[handle.ino].inode, str(error),
+                                         handle.blob)
+                raise fail(errno.EIO) from None
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def truncate_path(self, inode: Inode, size: int, caller: Caller) -> Inode:
+        """truncate(2) without a handle: a write handle opened, resized and closed at once.
+        A size that cannot be had changes nothing (no new version, no eviction)."""
+        check_file_size(size)
+        opened = await self.open(inode, os.O_WRONLY, caller)
+        handle = self._handles[opened.fh]
+        try:
+            await self.truncate(handle, size)
+        except BaseException:
+            self._discard_staged(handle)
+            raise
+        finally:
+            await self.release(opened.fh)
+        return await self.attributes(inode.ino)

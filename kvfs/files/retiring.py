@@ -1,0 +1,104 @@
+"""Retiring files that lost their last name (unlink, rename over, eviction, damaged data):
+their open handles keep serving, their blobs are doomed in the same metadata change, and the
+reaper (kvfs/reaper.py's rules, in a worker thread) deletes the data files."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from kvfs.files.state import (
+    FileState,
+)
+from kvfs.meta import Inode, Removed
+from kvfs.offloop import off_loop
+from kvfs.reaper import reap_doomed
+from kvfs.records import BlobInfo
+
+log = logging.getLogger(__name__)
+
+
+class RetiringOps(FileState):
+    def retire(self, removed: Removed, behind_kernel: bool = False) -> None:
+        """The one owner of a file's names going (unlink, rename over, eviction, lost data):
+        names removed `behind_kernel` (not by a request) are invalidated in the kernel; once
+        the inode has none left, its open handles keep serving and its blob is doomed."""
+        if behind_kernel:
+            self.on_removed(removed)
+        if not removed.gone:
+            return
+        inode = removed.inode
+        state = self._open.get(inode.ino)
+        if state is not None:
+            state.inode = inode
+            state.unlinked = True
+        self._cached_version.pop(inode.ino, None)
+        self._read_directly.pop(inode.ino, None)
+        self.free_blob(inode.blob)
+
+    def free_blob(self, blob_id: int) -> None:
+        if not blob_id:
+            return
+        self.cache.drop_blob(blob_id)
+        self.verifier.forget(blob_id)
+        if self.session.shared:
+            self.session.want_sweep()  # which deletes it once no host holds it
+            return
+        if blob_id in self._publishing:
+            self._doomed_when_published.add(blob_id)
+            return
+        self._doomed.append(blob_id)
+        self._reap_wanted.set()
+
+    def _publishing_over(self, blob_id: int) -> None:
+        self._publishing.discard(blob_id)
+        if blob_id in self._doomed_when_published:
+            self._doomed_when_published.discard(blob_id)
+            self.free_blob(blob_id)
+
+    async def run_reaper(self) -> None:
+        """Background: delete the data files of doomed blobs in a worker thread."""
+        while True:
+            await self._reap_wanted.wait()
+            self._reap_wanted = trio.Event()
+            doomed, self._doomed = self._doomed, []
+            try:
+                await off_loop(self._reap, doomed)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("deleting %d data files failed; recovery retries them",
+                              len(doomed))
+
+    def reap_remaining(self) -> None:
+        """At unmount: delete what the reaper had not reached yet."""
+        doomed = self._doomed + sorted(self._doomed_when_published)
+        self._doomed, self._doomed_when_published = [], set()
+        self._reap(doomed)
+
+    async def evicted(self, removed: list[Removed]) -> None:
+        """Retire eviction's victims and delete their data files before eviction returns:
+        the room it made must be on the volume, not only in the counters."""
+        for victim in removed:
+            self.retire(victim, behind_kernel=True)
+        doomed, self._doomed = self._doomed, []
+        if doomed:
+            await off_loop(self._reap, doomed)
+
+    def _reap(self, doomed: list[int]) -> None:
+        reap_doomed(self.meta, self.data, doomed)
+
+    async def _drop_damaged(self, inode: Inode, reason: str,
+                            blob: BlobInfo | None = None) -> None:
+        """Never serve bad bytes: count, log and drop the file so readers see a miss."""
+        self.stats.checksum_errors += 1
+        log.error("dropping %r (ino %d): %s", inode.name, inode.ino, reason)
+        try:
+            current = (None if self._is_unlinked(inode.ino)
+                       else await self.read_meta(self.meta.get, inode.ino))
+        except FileNotFoundError:
+            current = None
+        if current is None or (blob is not None and current.blob != blob.blob_id):
+            return  # already replaced or removed: only this snapshot was bad
+        for removed in await off_loop(self.meta.drop_files, [inode.ino]):
+            self.retire(removed, behind_kernel=True)

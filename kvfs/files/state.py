@@ -1,0 +1,221 @@
+"""The open-file table's state: handles, what is open per inode, and the answers about it
+that every layer above needs (kvfs/files/__init__.py describes the whole)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from itertools import count
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+from pyfuse3 import FileInfo
+
+from kvfs.cache import BlockCache
+from kvfs.data import (
+    DataStore,
+    StagedFile,
+    allocated_bytes,
+)
+from kvfs.meta import Inode, MetaStore, Removed
+from kvfs.offloop import MetaReads
+from kvfs.passthrough import Passthrough
+from kvfs.records import BlobInfo, fail
+from kvfs.sessions import Session
+from kvfs.space import Space
+from kvfs.stats import Stats
+from kvfs.verify import LateHasher, Verifier
+
+log = logging.getLogger(__name__)
+
+WRITER_WAIT_SECONDS = 2.0
+BLOB_ID_BATCH = 256
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Handle:
+    fh: int
+    ino: int
+    writable: bool
+    append: bool
+    version: int  # committed version this handle reads (readers) or is based on (writers)
+    blob: BlobInfo | None
+    fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
+    staged: StagedFile | None = None
+    page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
+    backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
+    reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
+    kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
+    lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
+    changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
+
+    def own_size(self) -> tuple[int, int] | None:
+        """The size and allocated bytes of what this writer has written and not yet
+        committed (None: nothing): what it sees of its own file, as on a local disk."""
+        staged = self.staged
+        if staged is None or staged.committed and not self.backing:
+            return None
+        if self.backing:  # the kernel writes straight into the file: ask the volume
+            size = os.fstat(staged.fd).st_size
+            return size, allocated_bytes(staged.fd, size)
+        return (staged.size, staged.physical) if staged.changed else None
+
+
+@dataclass(eq=False)
+class Backing:
+    """The one backing file the kernel has for an inode while passthrough handles use it:
+    a committed blob that readers share, or the staged file of one writer."""
+
+    blob_id: int
+    backing_id: int
+    users: int = 1
+    writable: bool = False
+
+
+@dataclass(eq=False)
+class OpenInode:
+    inode: Inode
+    handles: set[Handle] = field(default_factory=set)
+    backing: Backing | None = None
+    unlinked: bool = False
+    writers_waiting: int = 0
+    kernel_users_gone: trio.Event | None = None  # set when the last kernel reader closes
+
+    def kernel_users(self) -> bool:
+        """Handles whose I/O the kernel does without us (page cache, passthrough)."""
+        return any(handle.page_cache or handle.backing for handle in self.handles)
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    fh: int
+    direct_io: bool
+    keep_cache: bool
+    backing_id: int = 0
+    read_only: bool = False
+
+    def file_info(self) -> FileInfo:
+        info = FileInfo(fh=self.fh, direct_io=self.direct_io, keep_cache=self.keep_cache)
+        if self.backing_id:
+            # kvfs's pyfuse3 patch adds FileInfo.backing_id (not in pyfuse3's stubs).
+            info.backing_id = self.backing_id  # type: ignore[attr-defined]
+        if self.read_only and hasattr(info, "noflush"):  # kvfs's pyfuse3 patch
+            info.noflush = True  # its close has nothing to commit: no FLUSH round trip
+        return info
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a request: root (CAP_FSETID: writes keep setuid/setgid) or a user."""
+
+    uid: int
+    gid: int
+    pid: int
+
+    def in_group(self, gid: int) -> bool:
+        """Asked only when a write may clear setgid: supplementary groups are in /proc."""
+        if gid == self.gid:
+            return True
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("Groups:"):
+                    return str(gid) in line.split()[1:]
+        except OSError:
+            pass
+        return False
+
+
+def privileges_to_clear(inode: Inode, writer: Caller) -> int:
+    """What a write by `writer` clears, as Linux: nothing for root; setuid; setgid when group
+    execute is set or the writer is not in the file's group."""
+    if writer.uid == 0:
+        return 0
+    bits = inode.mode & stat.S_ISUID
+    if inode.mode & stat.S_ISGID and (inode.mode & stat.S_IXGRP
+                                      or not writer.in_group(inode.gid)):
+        bits |= stat.S_ISGID
+    return bits
+
+
+class FileState:
+    """The open-file table's state, owned by the trio loop (kvfs/offloop.py)."""
+
+    def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
+                 space: Space, passthrough: Passthrough, session: Session,
+                 on_attributes_changed: Callable[[int], None],
+                 on_removed: Callable[[Removed], None]) -> None:
+        self.meta = meta
+        self.read_meta = MetaReads(meta.engine.shared)
+        self.data = data
+        self.cache = cache
+        self.passthrough = passthrough
+        self.verifier = Verifier(data, stats)
+        self.hasher = LateHasher(data, meta, self.verifier, stats)
+        self.stats = stats
+        self.space = space
+        self.session = session
+        self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
+        self.on_removed = on_removed  # tell the kernel names vanished (eviction, lost data)
+        self._handles: dict[int, Handle] = {}
+        self._open: dict[int, OpenInode] = {}
+        self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
+        self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
+        self._next_fh = count(1)
+        self._clock = count(1)  # orders writers' changes: the latest one's size is shown
+        self._opening: Counter[int] = Counter()  # opens under way, per inode
+        self._blob_ids: range = range(0)
+        self._doomed: list[int] = []  # blobs whose data files the reaper deletes
+        # Committed blobs a flush is still moving into blobs/, and those of them replaced
+        # meanwhile: deleted only once their publishing is over.
+        self._publishing: set[int] = set()
+        self._doomed_when_published: set[int] = set()
+        self._reap_wanted = trio.Event()
+
+    async def attributes(self, ino: int) -> Inode:
+        """The committed inode (also of files unlinked while open), with the size of what
+        its latest writer on this host wrote: the kernel keeps one size per inode, and a
+        writer's fstat and SEEK_END must see its own writes (other handles still read the
+        version they opened)."""
+        state = self._open.get(ino)
+        inode = (state.inode if state and state.unlinked
+                 else await self.read_meta(self.meta.get, ino))
+        state = self._open.get(ino)  # (it may have changed meanwhile)
+        if state is None:
+            return inode
+        sizes = [(handle.changed_at, own) for handle in state.handles
+                 if handle.writable and (own := handle.own_size()) is not None]
+        if not sizes:
+            return inode
+        size, allocated = max(sizes)[1]
+        return replace(inode, size=size, allocated=allocated)
+
+    def open_inodes(self) -> frozenset[int]:
+        return frozenset(self._open)
+
+    def has_writer(self, ino: int) -> bool:
+        state = self._open.get(ino)
+        return state is not None and any(handle.writable for handle in state.handles)
+
+    def handle(self, fh: int) -> Handle:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise fail(errno.EBADF)
+        return handle
+
+    def _forget_if_unused(self, state: OpenInode) -> None:
+        """Drop an inode's open state once nothing holds it: no handle, and nobody waiting
+        on it (a new state would not know they wait, and readers would not let them in)."""
+        if (not state.handles and not state.writers_waiting
+                and self._open.get(state.inode.ino) is state):
+            del self._open[state.inode.ino]
+
+    def _is_unlinked(self, ino: int) -> bool:
+        state = self._open.get(ino)
+        return state is not None and state.unlinked

@@ -1,0 +1,197 @@
+"""Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
+room the space manager reserved first; its flush (close) commits it in one metadata change,
+off the loop, and publishes it."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from collections.abc import Callable
+
+from kvfs.data import (
+    StagedFile,
+    writable_length,
+)
+from kvfs.files.retiring import RetiringOps
+from kvfs.files.state import (
+    BLOB_ID_BATCH,
+    Caller,
+    Handle,
+    T,
+    privileges_to_clear,
+)
+from kvfs.meta import Inode
+from kvfs.offloop import off_loop
+from kvfs.records import BlobInfo, FsError, fail
+
+log = logging.getLogger(__name__)
+
+
+class WritingOps(RetiringOps):
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.handle(fh)
+        async with handle.lock:
+            staged = await self._staged(handle)
+            if handle.append:
+                offset = staged.size
+            chunk = memoryview(data)[: writable_length(offset, len(data))]
+            written = await self._change(staged, staged.growth_bound(offset, len(chunk)),
+                                         lambda: staged.write(offset, chunk))
+            handle.changed_at = next(self._clock)
+        self.stats.bytes_written += written
+        await self._clear_privileges(handle)
+        return written
+
+    async def _clear_privileges(self, handle: Handle) -> None:
+        """On a handle's first write, as Linux does (once: later writes find nothing)."""
+        if handle.kill_privs is not None:
+            writer, handle.kill_privs = handle.kill_privs, None
+            await self.clear_privileges(handle.ino, writer)
+
+    async def clear_privileges(self, ino: int, writer: Caller) -> None:
+        """A write or truncate by `writer` clears setuid/setgid as Linux would."""
+        bits = privileges_to_clear(await self.attributes(ino), writer)
+        if bits:
+            await off_loop(self.meta.set_attrs, ino, clear_mode=bits)
+            self.on_attributes_changed(ino)
+
+    async def truncate(self, handle: Handle, size: int) -> None:
+        async with handle.lock:
+            staged = await self._staged(handle, fresh=True)
+            await self._change(staged, staged.truncate_growth_bound(size),
+                               lambda: staged.truncate(size))
+            handle.changed_at = next(self._clock)
+
+    async def _staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
+        """The handle's staged file, made on its first change. Of a passthrough writer,
+        with what the kernel wrote into it; after a commit, a new one over the same data
+        when the kernel wrote again or `fresh` (a change is coming)."""
+        if not handle.writable:
+            raise fail(errno.EBADF)
+        staged = handle.staged
+        if handle.backing and staged is not None:
+            return await self._take_kernel_writes(handle, staged, fresh)
+        if staged is not None and staged.committed:
+            self._discard_staged(handle)  # its publication failed: retried there, or left
+        if handle.staged is None:
+            handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
+                                       handle.blob)
+        return handle.staged
+
+    async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
+                                  fresh: bool) -> StagedFile:
+        if staged.committed:
+            if not (fresh or staged.kernel_wrote()):
+                return staged
+            handle.staged = StagedFile.again(staged, await self._new_blob_id())
+            self._discard_staged_file(staged)
+            self.space.stage(handle.staged.physical)
+            return handle.staged
+        before = staged.physical
+        staged.take_kernel_writes()
+        self.space.stage(staged.physical - before)
+        return staged
+
+    async def _new_blob_id(self) -> int:
+        while not self._blob_ids:  # (another task may take the stock while this one waits)
+            self._blob_ids = await off_loop(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
+        blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
+        return blob_id
+
+    async def _change(self, staged: StagedFile, growth_bound: int,
+                      change: Callable[[], T]) -> T:
+        """Make room for what `change` may add to the staged file (or fail before changing
+        anything), run it, and account for what it really added."""
+        before = staged.physical
+        await self.space.reserve(growth_bound)
+        try:
+            return change()
+        finally:
+            self.space.stage(staged.physical - before)
+
+    async def flush(self, handle: Handle) -> bool:
+        """Commit what this handle wrote: one metadata transaction makes it visible whole.
+        Can be retried after any failure: a committed blob is never committed again nor
+        deleted. Returns whether anything was committed."""
+        async with handle.lock:
+            staged = handle.staged
+            if staged is None:
+                return False
+            if handle.backing:
+                staged = await self._staged(handle)
+            if not staged.changed:  # every change it tried failed: no new version
+                if not handle.backing:  # (the kernel may still write into a writer's file)
+                    self._discard_staged(handle)
+                return False
+            if not staged.committed and not await self._commit(handle, staged):
+                return False
+            if not staged.published:  # failed right after the commit: try again, or say why
+                await off_loop(staged.publish)
+            self._publishing_over(staged.blob_id)
+            self.verifier.written(staged.blob_id, staged.fd)
+            staged.flushed()
+            if not handle.backing:
+                staged.close()
+                handle.staged = None
+            return True
+
+    async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
+        # Marked and held before the commit: another writer's commit (on any host) may
+        # replace it at once, and this handle goes on reading it.
+        self._publishing.add(staged.blob_id)
+        await self.session.hold(staged.blob_id)
+        try:
+            blob, inode, old_blob = await off_loop(
+                self._finish_and_commit, handle.ino, staged, handle.backing)
+        except BaseException as error:
+            await self.session.release(staged.blob_id)
+            self._publishing_over(staged.blob_id)
+            if not isinstance(error, FsError) or error.errno != errno.ENOENT:
+                raise
+            self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
+            return False
+        staged.mark_committed()
+        if blob.pending:
+            self.hasher.want(blob.blob_id)
+        self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
+        self.free_blob(old_blob)
+        # Later writes on this handle start from what it just committed.
+        old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
+        if old_fd is not None:
+            os.close(old_fd)
+        previous, handle.blob, handle.version = handle.blob, blob, inode.version
+        if previous is not None:
+            await self.session.release(previous.blob_id)
+        self._open[handle.ino].inode = inode
+        self.stats.commits += 1
+        return True
+
+    def _finish_and_commit(self, ino: int, staged: StagedFile,
+                           hash_later: bool) -> tuple[BlobInfo, Inode, int]:
+        """Hash (unless the kernel wrote it: then in the background, after the commit),
+        commit and (in the same worker thread) publish."""
+        blob = staged.finish(ino, hash_later)
+        inode, old_blob = self.meta.commit_content(ino, blob)
+        with contextlib.suppress(OSError):  # the flush tries again and reports the error
+            staged.publish()
+        return blob, inode, old_blob
+
+    def _discard_staged(self, handle: Handle) -> None:
+        staged = handle.staged
+        if staged is not None:
+            handle.staged = None
+            self._discard_staged_file(staged)
+
+    def _discard_staged_file(self, staged: StagedFile) -> None:
+        if staged.committed:
+            try:
+                staged.publish()
+            except OSError as error:  # readers find it in staging/; recovery publishes it
+                self.stats.volume_errors += 1
+                log.error("publishing blob %016x failed: %s", staged.blob_id, error)
+            self._publishing_over(staged.blob_id)
+        else:
+            self.space.unstage(staged.physical)
+        staged.discard()
