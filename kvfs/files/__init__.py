@@ -76,12 +76,16 @@ class FileTable(WritingOps):
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
             inode = await self.truncate_path(inode, 0, caller)
-        if writable:
+        # Another process's kernel users (page cache, passthrough) get a short while to close
+        # first, so that two instances storing one chunk at once do not mix; after it, and at
+        # once within one process, the open is served beside them, as on a local disk.
+        others = not self._opened_by_process(inode.ino, caller)
+        if writable and others:
             await self._wait_for_kernel_users(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since the lookup.
         inode, blob = await self._content(inode.ino)
-        if self._backing_conflict(inode.ino, writable, flags, blob):
+        if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
             inode, blob = await self._content(inode.ino)
         inode, blob = await self._hold(inode, blob)
@@ -90,16 +94,12 @@ class FileTable(WritingOps):
             if self._passes_through(writable, flags, blob):
                 assert blob is not None and fd is not None  # a blob: _open_blob opened it
                 await self._verify_whole(inode, blob, fd)
-            if self._backing_conflict(inode.ino, writable, flags, blob):
-                if fd is not None:
-                    os.close(fd)
-                raise fail(errno.EBUSY)  # passthrough readers of another version stay open
         except BaseException:
             if blob is not None:
                 await self.session.release(blob.blob_id)
             raise
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
-                        inode.version, blob, fd,
+                        inode.version, blob, fd, caller,
                         kill_privs=caller if writable and caller.uid else None)
         self.space.touch(inode.ino)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
@@ -206,14 +206,26 @@ class FileTable(WritingOps):
                 backing_id = self.passthrough.register(handle.fd) if handle.fd else None
                 if backing_id is not None:
                     backing = state.backing = Backing(handle.blob.blob_id, backing_id, 0)
-            if backing is not None and backing.blob_id == handle.blob.blob_id:
+            if (backing is not None and backing.blob_id == handle.blob.blob_id
+                    and not backing.writable):  # (a writer's file: it may write on)
                 backing.users += 1
                 handle.backing = True
                 self.stats.opens_passthrough += 1
                 return Opened(handle.fh, direct_io=False, keep_cache=False,
                               backing_id=backing.backing_id)
         self.stats.opens_daemon += 1
-        return Opened(handle.fh, direct_io=True, keep_cache=True)
+        return self._served(state, handle)
+
+    def _served(self, state: OpenInode, handle: Handle) -> Opened:
+        """An open the daemon serves (direct_io). Beside a backing file of the inode it names
+        that file too: the kernel accepts only passthrough opens of an inode that has one,
+        and direct_io still sends this open's reads and writes here."""
+        if state.backing is None:
+            return Opened(handle.fh, direct_io=True, keep_cache=True)
+        state.backing.users += 1
+        handle.shares_backing = True
+        return Opened(handle.fh, direct_io=True, keep_cache=False,
+                      backing_id=state.backing.backing_id)
 
     async def _open_writer(self, state: OpenInode, handle: Handle, flags: int,
                            created: bool) -> Opened:
@@ -225,23 +237,31 @@ class FileTable(WritingOps):
         inode = state.inode
         if (not created or flags & os.O_DIRECT or len(state.handles) > 1
                 or state.writers_waiting or self._opening[inode.ino] > 1):
-            return self._served_writer(handle)
+            return self._served_writer(state, handle)
         staged = await self._staged(handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
             self.space.unstage(handle.reserved)
             handle.reserved = 0
-            return self._served_writer(handle)
+            return self._served_writer(state, handle)
         state.backing = Backing(staged.blob_id, backing_id, writable=True)
         handle.backing = True
         handle.changed_at = next(self._clock)
         self.stats.write_opens_passthrough += 1
         return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
 
-    def _served_writer(self, handle: Handle) -> Opened:
+    def _served_writer(self, state: OpenInode, handle: Handle) -> Opened:
         self.stats.write_opens_daemon += 1
-        return Opened(handle.fh, direct_io=True, keep_cache=True)
+        return self._served(state, handle)
+
+    def _opened_by_process(self, ino: int, caller: Caller) -> bool:
+        """Whether the caller's process (any of its threads) has `ino` open already."""
+        state = self._open.get(ino)
+        if state is None or not state.handles:
+            return False
+        process = caller.process()
+        return any(handle.opener.process() == process for handle in state.handles)
 
     async def _wait_for_kernel_users(self, ino: int) -> None:
         """Let readers the kernel serves itself (page cache, passthrough) finish before a
@@ -285,7 +305,7 @@ class FileTable(WritingOps):
                 os.close(handle.fd)
             state = self._open[handle.ino]
             state.handles.discard(handle)
-            if handle.backing and state.backing is not None:
+            if (handle.backing or handle.shares_backing) and state.backing is not None:
                 state.backing.users -= 1
                 if not state.backing.users:
                     self.passthrough.unregister(state.backing.backing_id)

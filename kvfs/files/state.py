@@ -48,9 +48,11 @@ class Handle:
     version: int  # committed version this handle reads (readers) or is based on (writers)
     blob: BlobInfo | None
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
+    opener: Caller  # who opened it
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
     backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
+    shares_backing: bool = False  # served here, naming the inode's backing file to the kernel
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
@@ -117,7 +119,17 @@ class Caller:
 
     uid: int
     gid: int
-    pid: int
+    pid: int  # the calling thread
+
+    def process(self) -> int:
+        """The caller's process (thread group): threads of one process share its opens."""
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return self.pid
 
     def in_group(self, gid: int) -> bool:
         """Asked only when a write may clear setgid: supplementary groups are in /proc."""
