@@ -16,8 +16,10 @@ GAUGES = {
 COUNTERS = {
     "lookup_hits": "Lookups of existing names that reached the daemon",
     "lookup_misses": "Lookups of missing names that reached the daemon",
-    "bytes_read": "Bytes served to readers",
-    "bytes_written": "Bytes written by writers",
+    "bytes_opened": "Bytes of committed files opened for reading (passthrough or not)",
+    "bytes_committed": "Bytes of content writers committed",
+    "bytes_read": "Bytes the daemon served to readers (not passthrough)",
+    "bytes_written": "Bytes the daemon received from writers (not passthrough)",
     "commits": "Files committed at close",
     "evictions": "Files evicted to stay within the capacity",
     "checksum_errors": "Reads refused because data failed its checksum",

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass
 class Stats:
     lookup_hits: int = 0
     lookup_misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
+    bytes_opened: int = 0  # committed content opened for reading, however it is then read
+    bytes_committed: int = 0  # content writers committed (whoever moved the bytes)
+    bytes_read: int = 0  # served by the daemon (not through the kernel's passthrough)
+    bytes_written: int = 0  # received by the daemon (not written through passthrough)
     commits: int = 0
     evictions: int = 0
     checksum_errors: int = 0

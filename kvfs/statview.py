@@ -37,8 +37,10 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> 
         ("used", f"{_size(state['used_bytes'])} ({used_share:.1%})", None),
         ("files", str(state["files"]), None),
         ("lookups (hit ratio)", f"{lookups} ({hit_ratio})", "lookups"),
-        ("read", _size(state["bytes_read"]), "bytes_read"),
-        ("written", _size(state["bytes_written"]), "bytes_written"),
+        ("loaded (opened for reading)", _size(state["bytes_opened"]), "bytes_opened"),
+        ("stored (committed)", _size(state["bytes_committed"]), "bytes_committed"),
+        ("  of which read by the daemon", _size(state["bytes_read"]), "bytes_read"),
+        ("  of which written to the daemon", _size(state["bytes_written"]), "bytes_written"),
         ("evictions", str(state["evictions"]), "evictions"),
         ("checksum errors", str(state["checksum_errors"]), "checksum_errors"),
     ]

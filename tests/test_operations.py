@@ -44,6 +44,9 @@ def test_stats_file_counts_exactly(make_mount) -> None:
     assert after["files"] == 4
     assert after["used_bytes"] == 4 * MiB + 4096  # the room files take: 4 KiB blocks
     assert after["bytes_written"] - before["bytes_written"] == 4 * MiB + 100
+    # What went in and out of the pool, whichever path moved the bytes:
+    assert after["bytes_committed"] - before["bytes_committed"] == 4 * MiB + 100
+    assert after["bytes_opened"] - before["bytes_opened"] == MiB
     if after["data_path"] == "passthrough":  # pages kvfs wrote and hashed: not read again
         assert (after["bytes_read"], after["verified_bytes"],
                 after["verifications_skipped"]) == (0, 0, 1)

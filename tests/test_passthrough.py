@@ -74,6 +74,7 @@ def test_reads_bypass_the_daemon_and_are_verified_once(passthrough: KvfsMount) -
     shown = stats(root)
     assert shown["data_path"] == "passthrough"
     assert shown["bytes_read"] == 0, "the daemon served no byte"
+    assert shown["bytes_opened"] == 3 * sum(map(len, payloads.values())), "all were loaded"
     assert shown["opens_passthrough"] == 9 and shown["opens_daemon"] == 0
     assert shown["verified_bytes"] == sum(map(len, payloads.values())), "verified once each"
     assert shown["verifications_skipped"] == 6

@@ -67,6 +67,7 @@ def test_new_files_are_written_by_the_kernel(roomy: KvfsMount) -> None:
     shown = stats(root)
     assert shown["write_opens_passthrough"] == 3 and shown["write_opens_daemon"] == 0
     assert shown["bytes_written"] == 0, "no byte crossed the daemon"
+    assert shown["bytes_committed"] == sum(map(len, payloads.values())), "all were stored"
     assert shown["commits"] == 2, "a file created and closed unwritten commits nothing"
     assert_counters_exact(root, roomy.data)
     verified_after_remount(roomy, payloads)

@@ -102,6 +102,8 @@ class FileTable(WritingOps):
                         inode.version, blob, fd, caller,
                         kill_privs=caller if writable and caller.uid else None)
         self.space.touch(inode.ino)
+        if not writable and blob is not None:
+            self.stats.bytes_opened += blob.size
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
         contended = state.writers_waiting or any(

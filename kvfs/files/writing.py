@@ -166,6 +166,7 @@ class WritingOps(RetiringOps):
             await self.session.release(previous.blob_id)
         self._open[handle.ino].inode = inode
         self.stats.commits += 1
+        self.stats.bytes_committed += blob.size
         return True
 
     def _finish_and_commit(self, ino: int, staged: StagedFile,
