@@ -75,11 +75,12 @@ class Space:
 
     async def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
-        configured, room = await off_loop(self._limits)
+        # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
+        configured, room = await self.read_meta(self._limits)
         return max(0, min(configured, await self.used() + room))
 
     def _limits(self) -> tuple[int, int]:
-        """The configured capacity and the room left on the volume (worker thread)."""
+        """The configured capacity and the room left on the volume."""
         volume = os.statvfs(self.volume)
         reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
         return self.meta.capacity(), volume.f_bavail * volume.f_frsize - reserve
