@@ -153,7 +153,7 @@ def read_stats(mountpoint: Path) -> dict[str, Any] | None:
 
 
 def show_kvfs_stats(mountpoint: Path) -> None:
-    """kvfs's own counters (reset at mount): what the daemon served since the remount."""
+    """kvfs's own counters (reset at mount): what went in and out since the remount."""
     stats = read_stats(mountpoint)
     if stats is None:
         return
@@ -162,7 +162,9 @@ def show_kvfs_stats(mountpoint: Path) -> None:
                   f"by the kernel after verifying {gib(stats['verified_bytes'])}, "
                   f"{stats['opens_daemon']:,} served by kvfs; "
                   f"lookup hits {stats['lookup_hits']:,}, misses {stats['lookup_misses']:,}; "
-                  f"read {gib(stats['bytes_read'])}, written {gib(stats['bytes_written'])}; "
+                  f"loaded {gib(stats['bytes_opened'])}, stored {gib(stats['bytes_committed'])} "
+                  f"(the daemon read {gib(stats['bytes_read'])}, "
+                  f"received {gib(stats['bytes_written'])}); "
                   f"{stats['files']:,} files, {gib(stats['used_bytes'])} of "
                   f"{gib(stats['capacity_bytes'])} used", style="dim", soft_wrap=True)
 
@@ -176,8 +178,10 @@ def show_pool_stats(mounts: list[Path]) -> None:
             ("writes by the kernel (passthrough)", "write_opens_passthrough", str),
             ("lookup hits", "lookup_hits", str),
             ("lookup misses", "lookup_misses", str),
-            ("bytes read through kvfs", "bytes_read", gib),
-            ("bytes written through kvfs", "bytes_written", gib),
+            ("bytes loaded (opened for reading)", "bytes_opened", gib),
+            ("bytes stored (committed)", "bytes_committed", gib),
+            ("of them read by the daemon", "bytes_read", gib),
+            ("of them written to the daemon", "bytes_written", gib),
             ("files in the pool", "files", str),
             ("pool used", "used_bytes", gib)]
     stats = [read_stats(m) or {} for m in mounts]
