@@ -199,7 +199,7 @@ class Daemon:
         pyfuse3.close(unmount=True)
         self.notifier.stop()
         try:
-            self.meta.touch(self.space.take_uses())
+            self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
             self.files.reap_remaining()
             if self.shared:

@@ -207,7 +207,7 @@ class KvfsOperations(pyfuse3.Operations):
             self.stats.lookup_misses += 1
             return negative_entry(self.caching.negative)
         self.stats.lookup_hits += 1
-        self.space.touch(inode.ino)
+        self.space.note_use(inode.ino)
         return self._entry(inode)  # it has a name: not a file unlinked while open
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:

@@ -125,7 +125,8 @@ class Space:
 
     # -- recency -------------------------------------------------------------------------
 
-    def touch(self, ino: int) -> None:
+    def note_use(self, ino: int) -> None:
+        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches."""
         self._uses[ino] = time.time_ns()
 
     def take_uses(self) -> dict[int, int]:
@@ -137,7 +138,7 @@ class Space:
             return
         uses = self.take_uses()
         try:
-            await off_loop(self.meta.touch, uses)
+            await off_loop(self.meta.record_uses, uses)
         except BaseException:  # kept for the next flush (a shared engine may be busy)
             for ino, used_ns in uses.items():
                 self._uses[ino] = max(used_ns, self._uses.get(ino, 0))

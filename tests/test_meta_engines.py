@@ -323,7 +323,8 @@ def test_readdir_and_recency_past_batch_sizes(meta: MetaStore) -> None:
     assert listing(meta, d.ino, full[99][2])[:3] == full[100:103]
 
     base = time.time_ns() + 10**12
-    meta.touch({ino: base + count - i for i, ino in enumerate(made)})  # newest made: oldest use
+    # the newest made: the oldest use
+    meta.record_uses({ino: base + count - i for i, ino in enumerate(made)})
     order = [inode.ino for _, inode in meta.least_recent(count)]
     assert order == made[::-1]
     first = meta.least_recent(300)
@@ -693,12 +694,12 @@ def test_recency_touch_and_least_recent(meta: MetaStore) -> None:
     assert [inode.ino for _, inode in meta.least_recent(10)] == [a.ino, b.ino, c.ino]
 
     base = time.time_ns() + 10**12
-    meta.touch({a.ino: base + 3, b.ino: base + 1, c.ino: base + 2, 999_999: base})
+    meta.record_uses({a.ino: base + 3, b.ino: base + 1, c.ino: base + 2, 999_999: base})
     found = meta.least_recent(10)
     assert [inode.ino for _, inode in found] == [b.ino, c.ino, a.ino]
     assert [inode.atime_ns for _, inode in found] == [base + 1, base + 2, base + 3]
 
-    meta.touch({a.ino: base})  # an older use changes nothing
+    meta.record_uses({a.ino: base})  # an older use changes nothing
     assert meta.get(a.ino).atime_ns == base + 3
     first = meta.least_recent(2)
     assert [inode.ino for _, inode in first] == [b.ino, c.ino]

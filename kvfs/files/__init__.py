@@ -101,7 +101,7 @@ class FileTable(WritingOps):
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, caller,
                         kill_privs=caller if writable and caller.uid else None)
-        self.space.touch(inode.ino)
+        self.space.note_use(inode.ino)
         if not writable and blob is not None:
             self.stats.bytes_opened += blob.size
         state = self._open.setdefault(inode.ino, OpenInode(inode))
@@ -326,7 +326,7 @@ class FileTable(WritingOps):
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         handle = self.handle(fh)
-        self.space.touch(handle.ino)
+        self.space.note_use(handle.ino)
         data: bytes | bytearray | memoryview
         if handle.staged is not None:
             data = handle.staged.read(offset, size)

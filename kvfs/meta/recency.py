@@ -13,7 +13,7 @@ from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
 class RecencyOps(MetaBase):
     """Files by last use, pins, and the counters of the space they take."""
 
-    def touch(self, uses: dict[int, int]) -> None:
+    def record_uses(self, uses: dict[int, int]) -> None:
         """Record the last use (ns) of files, TOUCH_BATCH per transaction (each reads its
         inodes at once); gone inodes are skipped."""
         pending = list(uses.items())
