@@ -97,13 +97,16 @@ class Session:
         the first hold and the last release of a blob are recorded in the engine, one at a
         time per blob, so that they reach it in the order they were made."""
         if not self.shared:
-            self._held[blob_id] += 1
+            self._add_hold(blob_id)
             return
         async with self._recording(blob_id):
             if not self._held[blob_id]:
                 await off_loop(self.meta.hold, blob_id, self.id)
-            self._held[blob_id] += 1
-            self.stats.blobs_held = len(self._held)
+            self._add_hold(blob_id)
+
+    def _add_hold(self, blob_id: int) -> None:
+        self._held[blob_id] += 1
+        self.stats.blobs_held = len(self._held)
 
     async def release(self, blob_id: int) -> None:
         if not self.shared:
