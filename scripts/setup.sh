@@ -43,3 +43,30 @@ if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     $PY -m pip install -q --no-deps "lmcache==0.5.6"
     echo "$want" >"$stamp"
 fi
+
+# vLLM's own filesystem KV tier for tests/test_vllm_tier.py and bench.py's vLLM group: three
+# files of the pinned wheel, unpacked unchanged into .venv/vllm-tier (scripts/vllm_tier.py
+# loads them). The wheel (336 MB) is fetched once into a cache outside the clone. Outside the
+# stamp above, so that machines set up before get it too.
+VLLM_VERSION=0.33.0
+VLLM_FILES=(vllm/v1/kv_offload/tiering/fs/io.py vllm/v1/kv_offload/tiering/fs/thread_pool.py
+    vllm/v1/kv_offload/file_mapper.py)
+if [[ ! -d .venv/vllm-tier ]]; then
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/kvfs/vllm"
+    find_wheel() { compgen -G "$wheels/vllm-$VLLM_VERSION-*.whl" | head -n1 || true; }
+    wheel=$(find_wheel)
+    if [[ -z $wheel ]]; then
+        echo "setup: fetching the vLLM $VLLM_VERSION wheel (336 MB, once) into $wheels"
+        $PY -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "vllm==$VLLM_VERSION" \
+            || true
+        wheel=$(find_wheel)
+    fi
+    if [[ -n $wheel ]]; then
+        rm -rf .venv/vllm-tier.part
+        $PY -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2], sys.argv[3:])' \
+            "$wheel" .venv/vllm-tier.part "${VLLM_FILES[@]}"
+        mv .venv/vllm-tier.part .venv/vllm-tier
+    else
+        echo "setup: vLLM $VLLM_VERSION's wheel is unavailable: tests/test_vllm_tier.py skips"
+    fi
+fi
