@@ -298,7 +298,7 @@ def work(args: argparse.Namespace) -> dict[str, Any]:
     tier = VllmTier(args.root, args.first, args.blocks, args.block_mib * MIB, args.seed,
                     args.job_blocks, args.buffered)
     indices = list(tier.indices)
-    report: dict[str, Any] = {"op": args.op, "blocks": args.blocks,
+    report: dict[str, Any] = {"op": args.op, "first": args.first, "blocks": args.blocks,
                               "block_bytes": tier.block_size, "probe": tier.probe,
                               "o_direct": tier.o_direct}
     if args.op == "store":
