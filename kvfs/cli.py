@@ -18,6 +18,7 @@ from kvfs import daemon, fsck, prewarm, statview
 from kvfs.daemon import MountConfig
 from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
+from kvfs.verify import VerifyMode
 from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 
 
@@ -70,10 +71,13 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                              "clean up after this one (default %(default)s)")
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
-    parser.add_argument("--verify", choices=("open", "always"), default="open",
-                        help="open: verify a whole file at open, then let the kernel read it "
-                             "(passthrough); always: the daemon serves and verifies every "
-                             "read (default open)")
+    parser.add_argument("--verify", type=VerifyMode, choices=list(VerifyMode),
+                        default=MountConfig.verify,
+                        help="once: a file is verified once on this host after it changed, "
+                             "then the kernel reads it (passthrough), trusting the device in "
+                             "between; open: verified at every open unless it is still in "
+                             "memory; always: the daemon serves and verifies every read "
+                             "(default %(default)s)")
     parser.add_argument("--passthrough", choices=("auto", "off"), default="auto",
                         help="kernel FUSE passthrough where it is available (default auto)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
@@ -93,7 +97,7 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_url=args.meta, session_ttl=args.session_ttl,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
-        passthrough=args.passthrough == "auto" and args.verify == "open",
+        passthrough=args.passthrough == "auto", verify=args.verify,
     )
     daemon.run(config)
 

@@ -22,6 +22,7 @@ from kvfs.passthrough import Passthrough
 from kvfs.records import fail
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.verify import VerifyMode
 
 CONTROL_DIR = b".kvfs"
 CONTROL_DIR_INO = (1 << 63) - 2
@@ -31,7 +32,7 @@ FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
 
 
 async def snapshot(meta: MetaStore, space: Space, stats: Stats,
-                   passthrough: Passthrough) -> dict:
+                   passthrough: Passthrough, verify: VerifyMode) -> dict:
     """The mount's state, taken on the loop (the metadata read in a worker)."""
     def read() -> tuple[int, int, dict[str, dict[str, int]]]:
         hosts = len(meta.sessions()) if meta.engine.shared else 1
@@ -40,6 +41,8 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
     files, hosts, models = await off_loop(read)
     return {
         "data_path": passthrough.mode(),
+        # (without passthrough the daemon checks every block it serves, whatever the option)
+        "verify": str(verify if passthrough.mode() == "passthrough" else VerifyMode.ALWAYS),
         "capacity_bytes": await space.capacity(),
         "used_bytes": await space.used(),
         "files": files,
@@ -52,18 +55,20 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
 
 class ControlFiles:
     def __init__(self, meta: MetaStore, space: Space, stats: Stats,
-                 passthrough: Passthrough) -> None:
+                 passthrough: Passthrough, verify: VerifyMode) -> None:
         self.meta = meta
         self.space = space
         self.stats = stats
         self.passthrough = passthrough
+        self.verify = verify
         self.started_ns = time.time_ns()
         self._contents: dict[int, bytes] = {}
         self._next_fh = itertools.count(FIRST_HANDLE)
         self._files: dict[int, Callable[[], Awaitable[bytes]]] = {STATS_INO: self._stats_json}
 
     async def _stats_json(self) -> bytes:
-        state = await snapshot(self.meta, self.space, self.stats, self.passthrough)
+        state = await snapshot(self.meta, self.space, self.stats, self.passthrough,
+                               self.verify)
         return json.dumps(state, indent=2).encode() + b"\n"
 
     def owns(self, ino: int) -> bool:

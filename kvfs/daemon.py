@@ -31,6 +31,7 @@ from kvfs.records import FsError
 from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
 from kvfs.space import Space
 from kvfs.stats import Stats
+from kvfs.verify import VerifyMode
 from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 
 log = logging.getLogger("kvfs")
@@ -59,7 +60,8 @@ class MountConfig:
     syslog: bool = False
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
-    passthrough: bool = True  # kernel passthrough reads where available (else --verify always)
+    passthrough: bool = True  # kernel passthrough where available (--passthrough auto)
+    verify: VerifyMode = VerifyMode.ONCE  # ALWAYS: the daemon serves every byte
 
 
 def check_mountpoint(path: Path) -> None:
@@ -119,9 +121,11 @@ class Daemon:
                            open_inodes=self._open_inodes, evicted=self._evicted)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
-        self.passthrough = Passthrough(config.passthrough)
+        self.passthrough = Passthrough(
+            "--verify always" if config.verify is VerifyMode.ALWAYS
+            else "" if config.passthrough else "--passthrough off")
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
-                               self.passthrough, self.session,
+                               self.passthrough, self.session, config.verify,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.files.verifier.load(self.volume.verified_path(self.shared))
@@ -168,7 +172,8 @@ class Daemon:
         if self._trio_token is None:
             raise RuntimeError("the mount is not serving yet")
         return trio.from_thread.run(snapshot, self.meta, self.space, self.stats,
-                                    self.passthrough, trio_token=self._trio_token)
+                                    self.passthrough, self.config.verify,
+                                    trio_token=self._trio_token)
 
     async def serve(self) -> None:
         self._trio_token = trio.lowlevel.current_trio_token()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import mmap
 import os
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,7 @@ BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kerne
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
 VERIFY_RUN_BLOCKS = 8  # blocks one worker verifies in a row when a whole blob is checked
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
+PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
 _HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
 
 
@@ -72,10 +74,11 @@ def block_length(size: int, block: int) -> int:
 
 
 def block_sums(fd: int, size: int, known: dict[int, int] | None = None,
-               side_by_side: bool = True) -> array:
+               buffer: memoryview | None = None) -> array:
     """The xxh3 of every block of a file: `known` ones as given, holes without reading,
-    the rest read (from the page cache, where it was just written) and hashed, side by side
-    in worker threads (xxhash lets go of the GIL) or, in the background, in this one."""
+    the rest read and hashed. Without `buffer`, side by side in worker threads (xxhash lets
+    go of the GIL), from the page cache where they were just written; with one (page-aligned,
+    BLOCK_SIZE), one at a time into it, so that `fd` may bypass the page cache (`uncached`)."""
     known = known or {}
     blocks = -(-size // BLOCK_SIZE)
     sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks
@@ -89,12 +92,45 @@ def block_sums(fd: int, size: int, known: dict[int, int] | None = None,
         return xxhash.xxh3_64_intdigest(
             os.pread(fd, block_length(size, block), block * BLOCK_SIZE))
 
-    digests = _HASHERS.map(hash_block, unhashed) if side_by_side else map(hash_block, unhashed)
+    def hash_block_into_buffer(block: int) -> int:
+        assert buffer is not None
+        length = block_length(size, block)
+        got = os.preadv(fd, [buffer[:page_rounded(length)]], block * BLOCK_SIZE)
+        return xxhash.xxh3_64_intdigest(buffer[:min(got, length)])
+
+    digests = (_HASHERS.map(hash_block, unhashed) if buffer is None
+               else map(hash_block_into_buffer, unhashed))
     for block, digest in zip(unhashed, digests, strict=True):
         sums[block] = digest
     for block, digest in known.items():
         sums[block] = digest
     return sums
+
+
+def page_rounded(length: int) -> int:
+    return -(-length // PAGE) * PAGE
+
+
+def aligned_buffer(size: int = BLOCK_SIZE) -> memoryview:
+    """A page-aligned buffer (anonymous memory), as O_DIRECT reads need."""
+    return memoryview(mmap.mmap(-1, size))
+
+
+@contextlib.contextmanager
+def uncached(fd: int) -> Iterator[int]:
+    """`fd`'s file opened again with O_DIRECT, for reads whose bytes nobody will take from
+    memory (checks ahead of an O_DIRECT reader, sums of a blob not in memory): they then
+    neither fill nor evict the page cache. `fd` itself where the volume refuses O_DIRECT.
+    Reads go into page-aligned buffers, in whole pages (`page_rounded`)."""
+    try:
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        yield fd
+        return
+    try:
+        yield direct
+    finally:
+        os.close(direct)
 
 
 def writable_length(offset: int, length: int) -> int:
@@ -221,14 +257,20 @@ class DataStore:
     def read_blocks(self, fd: int, info: BlobInfo, first: int,
                     buffers: Sequence[bytearray | memoryview]) -> list[memoryview]:
         """Read blocks first, first+1, ... of a blob into `buffers` (BLOCK_SIZE each) in one
-        call, verify each checksum, and return views of the bytes read."""
+        call, verify each checksum, and return views of the bytes read. The last block is
+        read in whole pages, so `fd` may be an O_DIRECT one (`uncached`)."""
         start = first * info.block_size
         end = min(info.size, start + len(buffers) * info.block_size)
         views = [memoryview(buffer)[: min(info.block_size, end - offset)]
                  for buffer, offset in zip(buffers, range(start, end, info.block_size),
                                            strict=False)]
-        got = os.preadv(fd, views, start)
-        if got != end - start:
+        if views:
+            last = len(views) - 1
+            reads = views[:last] + [memoryview(buffers[last])[:page_rounded(len(views[last]))]]
+            got = os.preadv(fd, reads, start)
+        else:
+            got = 0
+        if got < end - start:
             raise ChecksumError(f"blob {info.blob_id:016x}: {got} bytes at {start}, "
                                 f"expected {end - start}")
         for index, view in enumerate(views, first):
@@ -262,7 +304,7 @@ class DataStore:
         return runs
 
     def check_run(self, fd: int, info: BlobInfo, first: int, count: int,
-                  buffer: bytearray) -> int:
+                  buffer: bytearray | memoryview) -> int:
         """Read and verify `count` blocks from `first` one by one through one reused buffer
         (it stays in the CPU cache: twice as fast as large buffers); returns bytes read."""
         done = 0

@@ -166,12 +166,12 @@ class KvfsOperations(pyfuse3.Operations):
         self.notifier = notifier
         self.passthrough = passthrough
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
-        self.control = ControlFiles(meta, space, stats, passthrough)
+        self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode)
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which data path the mount has."""
         if self.passthrough.available():
-            log.info("data path: kernel passthrough reads, blobs verified at open")
+            log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:
             log.info("data path: kvfs serves every read (%s)", self.passthrough.refused)
 

@@ -45,10 +45,11 @@ CACHESTAT_SYSCALL = 451  # x86-64 and arm64 (Linux >= 6.5)
 class Passthrough:
     """Whether passthrough can be used, and the registration of backing files."""
 
-    def __init__(self, wanted: bool) -> None:
-        self.wanted = wanted
-        self.refused = "" if wanted else "turned off (--passthrough off)"
-        if wanted and not hasattr(pyfuse3, "passthrough_enabled"):
+    def __init__(self, turned_off_by: str = "") -> None:
+        """`turned_off_by`: the mount option that turns it off ("": none)."""
+        self.wanted = not turned_off_by
+        self.refused = f"turned off ({turned_off_by})" if turned_off_by else ""
+        if self.wanted and not hasattr(pyfuse3, "passthrough_enabled"):
             self.refused = "pyfuse3 without kvfs's passthrough patch"
 
     def available(self) -> bool:

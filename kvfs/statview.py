@@ -13,6 +13,12 @@ from rich.table import Table
 
 from kvfs.control import CONTROL_DIR, STATS_NAME
 
+VERIFY_RULES = {  # which bytes can reach a reader unverified (README, "What kvfs guarantees")
+    "once": "each file checked once on this host after it changed; the device is trusted after",
+    "open": "each file checked at every open unless its checked pages are all in memory",
+    "always": "every block checked as the daemon serves it",
+}
+
 
 def read_stats(mountpoint: Path) -> dict:
     return json.loads((mountpoint / CONTROL_DIR.decode() / STATS_NAME.decode()).read_text())
@@ -32,6 +38,8 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> 
     if previous is not None:
         summary.add_column("per second", justify="right")
     rows = [
+        ("data path", f"{state['data_path']}, verify {state['verify']}: "
+                      f"{VERIFY_RULES[state['verify']]}", None),
         ("hosts sharing the pool", str(state["hosts"]), None),
         ("capacity", _size(state["capacity_bytes"]), None),
         ("used", f"{_size(state['used_bytes'])} ({used_share:.1%})", None),

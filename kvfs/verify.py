@@ -2,25 +2,37 @@
 
 Before a blob is handed to the kernel (passthrough) it is verified whole (`Verifier`): its
 data blocks are read in runs of several MiB, in worker threads, and checked against their
-xxh3 sums; that read leaves the blob in the page cache, where the reader then finds it. A blob
-that is wholly in memory (cachestat(2)) and was verified, or written by kvfs itself, since its
-data file last changed (same inode and ctime) is not read again. Those marks outlive a remount
-of the same boot (`save`/`load`): the page cache does too.
+xxh3 sums. For a buffered reader that read leaves the blob in the page cache, where the reader
+then finds it; for an O_DIRECT reader it bypasses the page cache too (`uncached`), since the
+reader will not read from memory. When a check may be skipped is the mount's `VerifyMode`;
+in every mode a blob whose data file changed since it was checked (another inode or ctime:
+replaced, written behind kvfs) is checked again. The marks outlive a remount of the same boot
+(`save`/`load`), not a crash or a reboot.
 
 Blobs the kernel wrote (passthrough writers) get their sums after the commit, in the
-background (`LateHasher`).
+background (`LateHasher`), read from memory when they are all there and with O_DIRECT when
+not (an O_DIRECT writer's bytes): the sums never pull a blob into the page cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import deque
+from enum import StrEnum
 from pathlib import Path
 
 import trio
 
-from kvfs.data import BLOCK_SIZE, VERIFY_RUN_BLOCKS, ChecksumError, DataStore, block_sums
+from kvfs.data import (
+    VERIFY_RUN_BLOCKS,
+    ChecksumError,
+    DataStore,
+    aligned_buffer,
+    block_sums,
+    uncached,
+)
 from kvfs.meta import MetaStore
 from kvfs.offloop import off_loop
 from kvfs.passthrough import wholly_resident
@@ -33,39 +45,58 @@ log = logging.getLogger(__name__)
 VERIFY_THREADS = 4  # runs in flight at once
 
 
+class VerifyMode(StrEnum):
+    """Which bytes can reach a reader unverified (README, "What kvfs guarantees")."""
+
+    ONCE = "once"  # checked once per host since the data file last changed; device trusted
+    OPEN = "open"  # checked at every open, unless verified and wholly in memory (buffered)
+    ALWAYS = "always"  # the daemon serves every read and checks each block it serves
+
+
 class Verifier:
     """Whole-blob verification before a blob is passed through."""
 
-    def __init__(self, data: DataStore, stats: Stats) -> None:
+    def __init__(self, data: DataStore, stats: Stats, mode: VerifyMode) -> None:
         self.data = data
         self.stats = stats
+        self.mode = mode
         # blob -> (inode, ctime) of its data file when its page cache was last known good
         self._verified: dict[int, tuple[int, int]] = {}
         self._running: dict[int, trio.Event] = {}  # verifications under way
-        self._buffers = [bytearray(BLOCK_SIZE) for _ in range(VERIFY_THREADS)]  # reused
+        self._buffers = [aligned_buffer() for _ in range(VERIFY_THREADS)]  # reused
         self._free = trio.Semaphore(VERIFY_THREADS)
 
-    async def verify(self, fd: int, info: BlobInfo) -> None:
-        """Return once every block of the blob is checked; raises ChecksumError."""
+    async def verify(self, fd: int, info: BlobInfo, direct: bool) -> None:
+        """Return once the blob may be passed to a reader (`direct`: an O_DIRECT one): every
+        block checked now, or before and still good by the mode's rule. ChecksumError."""
         while (running := self._running.get(info.blob_id)) is not None:
             await running.wait()  # readers opening one chunk at once read it once
         mark = _file_mark(fd)
-        if self._verified.get(info.blob_id) == mark and wholly_resident(fd, info.size):
+        if self._verified.get(info.blob_id) == mark and self._still_good(fd, info, direct):
             self.stats.verifications_skipped += 1
             return
         self._verified.pop(info.blob_id, None)
         self._running[info.blob_id] = trio.Event()
         try:
             runs = self.data.data_runs(fd, info, VERIFY_RUN_BLOCKS)
-            try:
-                async with trio.open_nursery() as nursery:
-                    for first, count in runs:
-                        nursery.start_soon(self._verify_run, fd, info, first, count)
-            except ExceptionGroup as group:  # one bad run is the answer; others go with it
-                raise group.exceptions[0] from None
+            with uncached(fd) if direct else contextlib.nullcontext(fd) as read_fd:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for first, count in runs:
+                            nursery.start_soon(self._verify_run, read_fd, info, first, count)
+                except ExceptionGroup as group:  # one bad run is the answer; others go too
+                    raise group.exceptions[0] from None
             self._verified[info.blob_id] = mark
         finally:
             self._running.pop(info.blob_id).set()
+
+    def _still_good(self, fd: int, info: BlobInfo, direct: bool) -> bool:
+        """A blob checked since its data file last changed: in `once` mode that is enough;
+        in `open` mode only a buffered reader, and only if the blob is wholly in memory
+        (the checked pages), may skip the check."""
+        if self.mode is VerifyMode.ONCE:
+            return True
+        return not direct and wholly_resident(fd, info.size)
 
     async def _verify_run(self, fd: int, info: BlobInfo, first: int, count: int) -> None:
         async with self._free:
@@ -182,7 +213,9 @@ def take_sums(meta: MetaStore, data: DataStore, blob_id: int) -> tuple[int, int]
             raise ChecksumError(f"blob {blob_id:016x}: data file has {size} bytes, "
                                 f"expected {info.size}")
         # One thread: the writers and readers keep the other cores.
-        sums = block_sums(fd, info.size, side_by_side=False)
+        resident = wholly_resident(fd, info.size)
+        with contextlib.nullcontext(fd) if resident else uncached(fd) as read_fd:
+            sums = block_sums(read_fd, info.size, buffer=aligned_buffer())
         return _file_mark(fd) if meta.record_sums(blob_id, sums) is not None else None
     finally:
         os.close(fd)

@@ -109,7 +109,8 @@ def test_metrics_endpoint(make_mount) -> None:
 
 @pytest.mark.parametrize("passthrough", ["auto", "off"])
 def test_prewarm_serves_later_reads_from_memory(make_mount, passthrough: str) -> None:
-    kvfs = make_mount("--capacity", "1G", "--passthrough", passthrough)
+    # --verify open: files not in memory are checked at open, so the prewarm's reads count
+    kvfs = make_mount("--capacity", "1G", "--passthrough", passthrough, "--verify", "open")
     (kvfs.mountpoint / "chunks").mkdir()
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").write_bytes(os.urandom(4 * MiB))

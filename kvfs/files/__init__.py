@@ -93,7 +93,7 @@ class FileTable(WritingOps):
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
                 assert blob is not None and fd is not None  # a blob: _open_blob opened it
-                await self._verify_whole(inode, blob, fd)
+                await self._verify_whole(inode, blob, fd, bool(flags & os.O_DIRECT))
         except BaseException:
             if blob is not None:
                 await self.session.release(blob.blob_id)
@@ -166,10 +166,10 @@ class FileTable(WritingOps):
         return inode, blob
 
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
-        """Readers of a committed blob, not O_DIRECT (the kernel would read the blob with
-        the caller's flags, and O_DIRECT needs aligned buffers on the volume)."""
-        return (not writable and not flags & os.O_DIRECT and blob is not None
-                and self.passthrough.available())
+        """Readers of a committed blob, O_DIRECT ones too: the kernel reads the blob with
+        the caller's flags (so O_DIRECT has the volume's alignment rules, as on a plain
+        directory)."""
+        return not writable and blob is not None and self.passthrough.available()
 
     def _backing_conflict(self, ino: int, writable: bool, flags: int,
                           blob: BlobInfo | None) -> bool:
@@ -183,11 +183,11 @@ class FileTable(WritingOps):
                     and state.backing.blob_id == blob.blob_id and not state.backing.writable
                     and not state.writers_waiting)
 
-    async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int) -> None:
-        """Check every block before the kernel may read the blob (EIO and the file dropped
-        if one is bad)."""
+    async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int, direct: bool) -> None:
+        """Check every block before the kernel may read the blob, unless the mount's verify
+        mode says an earlier check still holds (EIO and the file dropped if one is bad)."""
         try:
-            await self.verifier.verify(fd, blob)
+            await self.verifier.verify(fd, blob, direct)
         except ChecksumError as error:
             os.close(fd)
             await self._drop_damaged(inode, str(error), blob)
@@ -237,7 +237,7 @@ class FileTable(WritingOps):
         file beside a kernel writer cannot be (the kernel takes no other open of the inode)
         and waits for it, so rewrites of files others may be reading stay served here."""
         inode = state.inode
-        if (not created or flags & os.O_DIRECT or len(state.handles) > 1
+        if (not created or len(state.handles) > 1
                 or state.writers_waiting or self._opening[inode.ino] > 1):
             return self._served_writer(state, handle)
         staged = await self._staged(handle)

@@ -30,7 +30,7 @@ from kvfs.records import BlobInfo, fail
 from kvfs.sessions import Session
 from kvfs.space import Space
 from kvfs.stats import Stats
-from kvfs.verify import LateHasher, Verifier
+from kvfs.verify import LateHasher, Verifier, VerifyMode
 
 log = logging.getLogger(__name__)
 
@@ -161,14 +161,14 @@ class FileState:
 
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
-                 on_attributes_changed: Callable[[int], None],
+                 verify: VerifyMode, on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
         self.read_meta = MetaReads(meta.engine.shared)
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
-        self.verifier = Verifier(data, stats)
+        self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.stats = stats
         self.space = space
