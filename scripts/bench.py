@@ -1,6 +1,6 @@
 """Benchmark kvfs against the plain backing directory, side by side, on the same disk.
 
-    .venv/bin/python scripts/bench.py [--quick] [--out bench-results/NAME.json]
+    .venv/bin/python scripts/bench.py [--quick] [--only GROUP ...] [--out bench-results/NAME.json]
 
 Needs root (drop_caches, kvfs's sysfs tuning) and fio. One kvfs volume and one plain directory
 live under the work directory (default bench-work/ in the repository, so both are on the same
@@ -59,12 +59,28 @@ from bench_io import (
 )
 from rich.console import Console
 from rich.table import Table
+from vllm_tier import VLLM_DIR, run_worker
 
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
 TARGETS = ("plain", "kvfs")
 ENGINE = REPO / "scripts" / "lmcache_engine.py"
 MISSING_BASE = 10**12  # kv_name indices from here on are never created
+# --only names -> Bench methods, in the order a full run takes them.
+GROUPS = {"cold-read": "cold_read", "warm-read": "warm_and_hot_read",
+          "concurrent-readers": "concurrent_readers", "daemon-memory": "daemon_memory",
+          "write": "write", "lmcache-pattern": "lmcache_pattern", "fio": "fio",
+          "lmcache-engines": "lmcache_engines", "vllm": "vllm_tier",
+          "small-files": "small_file_commits", "metadata": "metadata_and_scaling"}
+READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory"}
+VLLM_SECTION = "vLLM fs tier (its own io.py, 16 threads, separate processes)"
+VLLM_CONFIGS = tuple((block_mib, buffered) for block_mib in (2, 32) for buffered in (False, True))
+VLLM_JOBS = 32  # jobs per store or load (requests of data_bytes / 32): all 16 threads busy
+VLLM_LOOKUP = "first lookups on a fresh mount (os.path.exists)"
+
+
+def vllm_config(block_mib: int, buffered: bool) -> str:
+    return f"{block_mib} MiB blocks, {'buffered' if buffered else 'O_DIRECT'}"
 
 
 def in_turn(run: int) -> tuple[str, ...]:
@@ -178,8 +194,9 @@ def throughput(spans: list[Span]) -> float:
 
 
 class Bench:
-    def __init__(self, plan: Plan, workdir: Path) -> None:
+    def __init__(self, plan: Plan, workdir: Path, groups: list[str]) -> None:
         self.plan = plan
+        self.groups = groups
         self.workdir = workdir
         self.plain = workdir / "plain"
         self.kvfs = KvfsMount(workdir / "kvfs-data", workdir / "mnt",
@@ -190,6 +207,7 @@ class Bench:
         self.populate: list[dict[str, Any]] = []
         self.rss = RssSampler(self.kvfs)
         self.section = ""
+        self.sections: set[str] = set()  # those whose stages ran
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -207,6 +225,7 @@ class Bench:
     def stage(self, label: str, section: str | None = None) -> Iterator[None]:
         """Show progress of one stage; its metrics go to `section` (default: the label)."""
         self.section = section or label
+        self.sections.add(self.section)
         self.rss.phase = label
         started = time.monotonic()
         with CONSOLE.status(f"[bold]{label}[/] …"):
@@ -243,6 +262,8 @@ class Bench:
             path.mkdir(parents=True, exist_ok=True)
         self.kvfs.mount()
         self.rss.start()
+        if not READS_DATA_SET & set(self.groups):
+            return
         (self.kvfs.mountpoint / "chunks").mkdir()
         with self.stage("data set"):
             for target in TARGETS:
@@ -251,16 +272,8 @@ class Bench:
 
     def run(self) -> None:
         self.setup()
-        self.cold_read()
-        self.warm_and_hot_read()
-        self.concurrent_readers()
-        self.daemon_memory()
-        self.write()
-        self.lmcache_pattern()
-        self.fio()
-        self.lmcache_engines()
-        self.small_file_commits()
-        self.metadata_and_scaling()
+        for group in self.groups:
+            getattr(self, GROUPS[group])()
 
     def cold_read(self) -> None:
         with self.stage("cold read"):
@@ -321,6 +334,18 @@ class Bench:
         """CPU seconds the kvfs daemon has used so far (all its threads)."""
         times = psutil.Process(self.kvfs.pid).cpu_times()
         return times.user + times.system
+
+    def settled_daemon_cpu(self) -> float:
+        """daemon_cpu() once the daemon is idle: what it does after a writer's close (sums of
+        blobs the kernel wrote) counts against those writes, not against what comes next."""
+        deadline = time.monotonic() + 30
+        before = self.daemon_cpu()
+        while True:
+            time.sleep(0.2)
+            now = self.daemon_cpu()
+            if now - before < 0.01 or time.monotonic() > deadline:
+                return now
+            before = now
 
     def daemon_memory(self) -> None:
         with self.stage("daemon memory"):
@@ -426,6 +451,57 @@ class Bench:
                                 loaded["lookup"]["seconds"] * 1e3, higher_is_better=False)
                     self.record("engine B retrieve", "GB/s", target, retrieved["gbps"])
                 self.progress(f"run {run + 1} done")
+
+    def vllm_tier(self) -> None:
+        """vLLM's own fs tier (scripts/vllm_tier.py): one process stores, then, on a fresh
+        mount, others look up, load cold (page cache dropped) and load again (warm)."""
+        with self.stage(VLLM_SECTION):
+            if not VLLM_DIR.is_dir():
+                self.note(f"{VLLM_DIR} is missing (scripts/setup.sh fetches it): vLLM tier "
+                          f"benchmarks skipped")
+                return
+            for block_mib, buffered in VLLM_CONFIGS:
+                for run in range(self.plan.runs):
+                    for target in in_turn(run):
+                        self.vllm_run(block_mib, buffered, run, target)
+                    self.progress(f"{vllm_config(block_mib, buffered)}: run {run + 1} done")
+
+    def vllm_run(self, block_mib: int, buffered: bool, run: int, target: str) -> None:
+        config = vllm_config(block_mib, buffered)
+        blocks = self.plan.data_bytes // (block_mib * MIB)
+        root = self.roots[target] / f"vllm-{run}"
+        options = dict(block_mib=block_mib, job_blocks=max(1, blocks // VLLM_JOBS),
+                       buffered=buffered, seed=run)
+        self.warm_up_writes(target)
+        cpu = self.settled_daemon_cpu()
+        reports = {"store": run_worker("store", root, blocks, **options)}
+        cpu_used = self.settled_daemon_cpu() - cpu
+        if target == "kvfs":
+            self.kvfs.remount()
+        drop_caches(2)
+        reports["lookup"] = run_worker("lookup", root, blocks, **options)
+        drop_caches()
+        cpu = self.settled_daemon_cpu()
+        reports["cold load"] = run_worker("load", root, blocks, **options)
+        reports["warm load"] = run_worker("load", root, blocks, **options)
+        cpu_used += self.settled_daemon_cpu() - cpu
+        shutil.rmtree(root)
+        for op, report in reports.items():
+            problems = {key: len(report[key]) for key in ("missing", "failed", "mismatched",
+                                                          "errors") if report.get(key)}
+            if report["o_direct"] == buffered:
+                problems["o_direct"] = report["o_direct"]
+            if problems:
+                self.note(f"vLLM tier {config}, run {run + 1} on {target}, {op}: {problems}")
+        for op in ("store", "cold load", "warm load"):
+            self.record(f"{config}: {op}", "GB/s", target,
+                        self.plan.data_bytes / reports[op]["seconds"] / 1e9)
+        self.record(f"{config}: {VLLM_LOOKUP}", "µs", target,
+                    reports["lookup"]["lookup_seconds"] / blocks * 1e6, higher_is_better=False)
+        if target == "kvfs":
+            self.record(f"daemon CPU per GiB moved (store, cold and warm load), {config}", "s",
+                        target, cpu_used / (3 * self.plan.data_bytes / 2**30),
+                        higher_is_better=False)
 
     def small_file_commits(self) -> None:
         with self.stage("small-file create and commit"):
@@ -565,8 +641,12 @@ RATIO_TARGETS = (
     ("LMCache engine B retrieve", "real LMCache engines (fs plugin)", "engine B retrieve",
      0.9),
     ("stat of missing names", "metadata", "stat missing names", 0.5),
+    *((f"vLLM tier {vllm_config(*config)}: {op}", VLLM_SECTION, f"{vllm_config(*config)}: {op}",
+       minimum) for config in VLLM_CONFIGS
+      for op, minimum in (("store", 0.85), ("cold load", 0.9), ("warm load", 0.9))),
 )
 CPU_PER_GIB_LIMIT = 0.05  # daemon CPU seconds per GiB read
+LOOKUP_US_LIMIT = 40  # vLLM tier: µs per first-time lookup of a stored block
 CREATES_PER_SECOND = 3000
 
 
@@ -574,6 +654,8 @@ def checks(bench: Bench) -> list[Check]:
     metrics = bench.metrics
     found = []
     for label, section, name, minimum in RATIO_TARGETS:
+        if section not in bench.sections:
+            continue
         ratio = metrics[(section, name)].ratio if (section, name) in metrics else None
         found.append(Check(label, f"kvfs/plain ≥ {minimum}",
                            "not measured" if ratio is None else f"{ratio:.2f}",
@@ -583,6 +665,10 @@ def checks(bench: Bench) -> list[Check]:
             seconds = metric.median("kvfs")
             found.append(Check(name, f"≤ {CPU_PER_GIB_LIMIT} s", f"{seconds:.3f} s",
                                seconds <= CPU_PER_GIB_LIMIT))
+        if name.endswith(VLLM_LOOKUP):
+            latency = metric.median("kvfs")
+            found.append(Check(f"vLLM tier {name}", f"≤ {LOOKUP_US_LIMIT} µs",
+                               f"{latency:.1f} µs", latency <= LOOKUP_US_LIMIT))
         if name == "create + write 4 KiB + close":
             rate = metric.median("kvfs")
             found.append(Check("creates (4 KiB)", f"≥ {CREATES_PER_SECOND:,}/s",
@@ -657,6 +743,7 @@ def save(bench: Bench, found: list[Check], out: Path, started: float, finished: 
         "finished": finished,
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
+        "groups": bench.groups,
         "environment": {
             "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "kvfs_git": git, "workdir": str(bench.workdir),
@@ -687,6 +774,8 @@ def parse_args() -> argparse.Namespace:
                         help="where the plain directory and the kvfs volume live")
     parser.add_argument("--cache-size", type=int, default=256, metavar="MIB",
                         help="kvfs --cache-size in MiB (default 256)")
+    parser.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP",
+                        help=f"run only this group (repeatable): {', '.join(GROUPS)}")
     return parser.parse_args()
 
 
@@ -698,7 +787,7 @@ def main() -> int:
     plan = Plan.make(args.quick, args.runs, args.cache_size * MIB)
     out = args.out or REPO / "bench-results" / (
         time.strftime("bench-%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ".json")
-    bench = Bench(plan, args.workdir.resolve())
+    bench = Bench(plan, args.workdir.resolve(), [g for g in GROUPS if g in (args.only or GROUPS)])
     if bench.workdir.exists() and any(bench.workdir.iterdir()):
         CONSOLE.print(f"[red]work directory {bench.workdir} is not empty; remove it first[/]")
         return 1

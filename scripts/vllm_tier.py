@@ -176,6 +176,7 @@ class VllmTier:
         assert block_bytes % (TOKEN_BYTES * GPU_BLOCK_TOKENS) == 0, "whole 16-token blocks"
         self.first = first
         self.indices = range(first, first + blocks)
+        self.keys = [offload_key(index) for index in self.indices]  # known before lookups
         self.job_blocks = job_blocks
         self.mapper = self.vllm.file_mapper.FileMapper(
             root_dir=str(root), model_name=MODEL, tokens_per_hash=GPU_BLOCK_TOKENS,
@@ -201,7 +202,7 @@ class VllmTier:
         self._job_ids = itertools.count()
 
     def path(self, index: int) -> str:
-        return self.mapper.get_file_name(offload_key(index))
+        return self.mapper.get_file_name(self.keys[index - self.first])
 
     def slot(self, index: int) -> np.ndarray:
         return self.slots[index - self.first]
