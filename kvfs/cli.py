@@ -80,6 +80,10 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--passthrough", choices=("auto", "off"), default="auto",
                         help="kernel FUSE passthrough where it is available (default auto)")
+    parser.add_argument("--odirect", choices=("kernel", "daemon"), default=MountConfig.odirect,
+                        help="kernel: O_DIRECT opens pass through too, with the volume's "
+                             "alignment rules, as on a plain directory; daemon: kvfs serves "
+                             "them, any alignment, at Python speed (default %(default)s)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
     parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
     parser.add_argument("--metrics-port", type=int,
@@ -97,7 +101,7 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_url=args.meta, session_ttl=args.session_ttl,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
-        passthrough=args.passthrough == "auto", verify=args.verify,
+        passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
     )
     daemon.run(config)
 

@@ -62,6 +62,7 @@ class MountConfig:
     metrics_address: str = "127.0.0.1"
     passthrough: bool = True  # kernel passthrough where available (--passthrough auto)
     verify: VerifyMode = VerifyMode.ONCE  # ALWAYS: the daemon serves every byte
+    odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
 
 
 def check_mountpoint(path: Path) -> None:
@@ -123,7 +124,8 @@ class Daemon:
                                 config.readahead_bytes)
         self.passthrough = Passthrough(
             "--verify always" if config.verify is VerifyMode.ALWAYS
-            else "" if config.passthrough else "--passthrough off")
+            else "" if config.passthrough else "--passthrough off",
+            o_direct=config.odirect == "kernel")
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                self.passthrough, self.session, config.verify,
                                on_attributes_changed=self.notifier.attributes_changed,

@@ -25,6 +25,7 @@ verified on every read from the volume.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import mmap
@@ -42,6 +43,9 @@ BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kerne
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
 VERIFY_RUN_BLOCKS = 8  # blocks one worker verifies in a row when a whole blob is checked
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
+FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
+FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
 _HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
 
@@ -391,25 +395,36 @@ class StagedFile:
     def growth_bound(self, offset: int, length: int) -> int:
         """The most bytes a write (already cut to fit) can add on the volume (what must be
         reserved first)."""
-        base = self._base[1].allocated if self._base and not self._replaces_base(
-            offset, length) else 0
+        base = 0 if self._replaces_base(offset, length) else self.base_allocated()
         return base + length + ALLOCATION_UNIT
 
     def truncate_growth_bound(self, size: int) -> int:
         """Growing by truncate makes a hole; only a base copy takes room."""
         check_file_size(size)
-        return self._base[1].allocated if self._base and size else 0
+        return self.base_allocated() if size else 0
+
+    def has_base(self) -> bool:
+        """Whether committed content is still to be copied in."""
+        return self._base is not None
+
+    def base_allocated(self) -> int:
+        """Bytes the committed content not yet copied in takes on the volume."""
+        return self._base[1].allocated if self._base else 0
+
+    def fallocate_growth_bound(self, mode: int, offset: int, length: int) -> int:
+        """Punching a hole takes no room; other modes at most the range they cover."""
+        grows = 0 if mode & FALLOC_FL_PUNCH_HOLE else length + ALLOCATION_UNIT
+        return self.base_allocated() + grows
 
     def _replaces_base(self, offset: int, length: int) -> bool:
         return offset == 0 and length >= self.size
 
-    def _materialize(self) -> None:
+    def materialize(self) -> None:
         """Copy the base content in (its data, not its holes), on the first change that
-        keeps part of it."""
+        keeps part of it, or before the kernel writes into the file."""
         if self._base is None:
             return
         base_fd, base = self._base
-        self._base = None
         for start, end in data_ranges(base_fd, base.size):
             while start < end:
                 done = os.copy_file_range(base_fd, self.fd, end - start, start, start)
@@ -417,6 +432,7 @@ class StagedFile:
                     raise OSError(errno.EIO, "base blob shorter than recorded")
                 start += done
         os.ftruncate(self.fd, base.size)
+        self._base = None  # (only now: a copy that failed is made again whole)
         self.sums = dict(enumerate(base.sums))
         self._measure()
 
@@ -428,7 +444,7 @@ class StagedFile:
     def write(self, offset: int, data: bytes | memoryview) -> int:
         if self._base is not None and self._replaces_base(offset, len(data)):
             self._base = None
-        self._materialize()
+        self.materialize()
         self._grow(offset)
         written = os.pwrite(self.fd, data, offset)
         end = offset + written
@@ -466,7 +482,7 @@ class StagedFile:
         check_file_size(size)
         if size == 0:
             self._base = None
-        self._materialize()
+        self.materialize()
         self._grow(size)
         os.ftruncate(self.fd, size)
         boundary = size // BLOCK_SIZE
@@ -476,6 +492,31 @@ class StagedFile:
             self._hasher.reset()
             self._stream_end = size if size % BLOCK_SIZE == 0 else None
         self.size = size
+        self._measure()
+        self.changed = True
+
+    def fallocate(self, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on the staged file. Room kept past the end (KEEP_SIZE) is not taken:
+        it would hold volume space that no file's size or `du` shows. Blocks from `offset`
+        on are hashed again at commit (a collapse or insert moves all that follow)."""
+        check_file_size(offset + length)
+        preallocating = mode == FALLOC_FL_KEEP_SIZE  # room only: the content stays
+        if preallocating:
+            length = min(length, self.size - offset)
+            if length <= 0:
+                return
+        self.materialize()
+        self._grow(offset)
+        if _libc.fallocate(self.fd, mode, ctypes.c_long(offset), ctypes.c_long(length)):
+            raise fail(ctypes.get_errno())
+        if preallocating:
+            self._measure()
+            return
+        for block in [b for b in self.sums if b >= offset // BLOCK_SIZE]:
+            del self.sums[block]
+        self._hasher.reset()
+        self._stream_end = None
+        self.size = os.fstat(self.fd).st_size
         self._measure()
         self.changed = True
 
@@ -489,7 +530,7 @@ class StagedFile:
         next change."""
         if self._finished is not None:
             return self._finished
-        self._materialize()
+        self.materialize()
         if hash_later:
             sums, pending = array("Q"), True
         else:

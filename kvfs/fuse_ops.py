@@ -29,7 +29,7 @@ from kvfs.files import Caller, FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
 from kvfs.offloop import MetaReads, off_loop
 from kvfs.passthrough import Passthrough
-from kvfs.records import FsError
+from kvfs.records import FsError, fail
 from kvfs.space import Space
 from kvfs.stats import Stats
 
@@ -342,7 +342,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = await off_loop(self.meta.make, parent_inode, name,
                                stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx), created=True)
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx))
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
@@ -362,6 +362,12 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         return await self.files.write(fh, off, buf)
+
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """(kvfs's pyfuse3 patch registers it; stock pyfuse3 answers EOPNOTSUPP)"""
+        if self.control.owns_handle(fh):
+            raise fail(errno.EBADF)
+        await self.files.fallocate(fh, mode, offset, length)
 
     async def flush(self, fh: int) -> None:
         if self.control.owns_handle(fh):

@@ -45,9 +45,11 @@ CACHESTAT_SYSCALL = 451  # x86-64 and arm64 (Linux >= 6.5)
 class Passthrough:
     """Whether passthrough can be used, and the registration of backing files."""
 
-    def __init__(self, turned_off_by: str = "") -> None:
-        """`turned_off_by`: the mount option that turns it off ("": none)."""
+    def __init__(self, turned_off_by: str = "", o_direct: bool = True) -> None:
+        """`turned_off_by`: the mount option that turns it off ("": none); `o_direct`:
+        O_DIRECT opens pass through too (False: --odirect daemon)."""
         self.wanted = not turned_off_by
+        self.o_direct = o_direct
         self.refused = f"turned off ({turned_off_by})" if turned_off_by else ""
         if self.wanted and not hasattr(pyfuse3, "passthrough_enabled"):
             self.refused = "pyfuse3 without kvfs's passthrough patch"
@@ -62,6 +64,12 @@ class Passthrough:
             log.warning("data path: kvfs serves reads itself: %s", self.refused)
             return False
         return True
+
+    def takes(self, flags: int) -> bool:
+        """Whether an open with these flags may pass through. The kernel does its I/O on the
+        blob with the caller's flags, so O_DIRECT then has the volume's alignment rules, as
+        on a plain directory; the daemon takes any alignment."""
+        return self.available() and (self.o_direct or not flags & os.O_DIRECT)
 
     def mode(self) -> str:
         return "daemon" if self.refused else "passthrough"

@@ -53,13 +53,15 @@ fi
 
 # 3. pyfuse3 with the passthrough patch, against that libfuse (rpath: no system change).
 cd "$REPO"
-if ! "$PY" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3.FileInfo(), 'noflush'))" \
-        2>/dev/null; then  # built with this patch (its newest part)
+PATCHED="$WORK/pyfuse3-patched.sha256"  # the patch pyfuse3 was last built with
+if [[ "$(cat "$PATCHED" 2>/dev/null)" != "$(sha256sum <scripts/pyfuse3-passthrough.patch)" ]] ||
+        ! "$PY" -c "import pyfuse3; pyfuse3.passthrough_enabled" 2>/dev/null; then
     rm -rf "$WORK/pyfuse3-$PYFUSE3_VERSION"
     tar xzf "$WORK/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$WORK"
     patch -d "$WORK/pyfuse3-$PYFUSE3_VERSION" -p1 -s <scripts/pyfuse3-passthrough.patch
     rm -f "$WORK/pyfuse3-$PYFUSE3_VERSION/src/pyfuse3/__init__.c"  # generated: rebuild it
     PKG_CONFIG_PATH="$LIBDIR/pkgconfig" LDFLAGS="-Wl,-rpath,$LIBDIR" \
         "$PY" -m pip install -q --force-reinstall "$WORK/pyfuse3-$PYFUSE3_VERSION"
+    sha256sum <scripts/pyfuse3-passthrough.patch >"$PATCHED"
 fi
 "$PY" -c "import pyfuse3; assert pyfuse3.passthrough_enabled() is False"

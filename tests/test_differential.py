@@ -75,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -141,6 +142,13 @@ sizes = st.one_of(st.integers(0, 10_000),
                   # sparse: a hole up to the size; past 16 TiB - 4 KiB: EFBIG
                   st.sampled_from([1 << 36, (1 << 36) + 5, TiB, LIMIT, LIMIT + 1, 1 << 62,
                                    *([LIMIT - 4096] if HUGE else [])]))
+block_offsets = st.integers(0, 768).map(lambda blocks: blocks * 4096)  # whole blocks
+near_offsets = st.one_of(st.integers(0, 300_000), block_offsets)
+# linux/falloc.h; each answered as ext4 answers it, refusals included. Not COLLAPSE_RANGE and
+# INSERT_RANGE: the kernel's FUSE refuses them (EOPNOTSUPP) before any daemon sees them.
+FALLOCATE_MODES = {"0": 0, "KEEP_SIZE": 0x01, "PUNCH_HOLE": 0x01 | 0x02, "ZERO_RANGE": 0x10,
+                   "ZERO_RANGE|KEEP_SIZE": 0x10 | 0x01}
+COPY_SECONDS = 20  # a copy_file_range that takes longer has stalled
 file_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444])
 dir_modes = st.sampled_from([0o755, 0o700, 0o750])
 chmod_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444, 0o4755, 0o2775, 0o2745,
@@ -203,6 +211,11 @@ actions = st.lists(st.one_of(
     # what the writer itself sees of its file while it is open: its own size and end
     st.tuples(st.just("fstat")),
     st.tuples(st.just("seek_end")),
+    # preallocation, holes and zeroed ranges; copies within the file
+    st.tuples(st.just("fallocate"), st.sampled_from(sorted(FALLOCATE_MODES)),
+              st.one_of(st.integers(0, 300_000), block_offsets),
+              st.one_of(st.integers(1, 3 * MiB), block_offsets.filter(bool))),
+    st.tuples(st.just("copy_range"), near_offsets, near_offsets, st.integers(0, 2 * MiB)),
 ), max_size=6)
 
 
@@ -272,6 +285,23 @@ def renameat2(source: Path, target: Path, flags: int) -> None:
                        flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def within(seconds: float, call: Callable[..., Any], *args: Any) -> Any:
+    """call(*args), failing the test if it has not returned after `seconds` (it stalled)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(call, *args).result(timeout=seconds)
+    except TimeoutError:
+        raise AssertionError(f"{call.__name__}{args} stalled") from None
+    finally:
+        pool.shutdown(wait=False)  # (a stalled call's thread is left behind)
 
 
 def round_up(size: int, unit: int = 4096) -> int:
@@ -489,6 +519,10 @@ def act(fd: int, action: tuple) -> Any:
         return os.ftruncate(fd, action[1])
     if kind == "pread":
         return os.pread(fd, action[2], action[1])
+    if kind == "fallocate":
+        return fallocate(fd, FALLOCATE_MODES[action[1]], action[2], action[3])
+    if kind == "copy_range":
+        return within(COPY_SECONDS, os.copy_file_range, fd, fd, action[3], action[1], action[2])
     if kind in ("fstat", "seek_end"):  # sizes of regular files (directories' differ)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -11,6 +11,7 @@ here has 8 GiB. Skipped where passthrough is not available (see test_passthrough
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
 import subprocess
@@ -75,8 +76,8 @@ def test_new_files_are_written_by_the_kernel(roomy: KvfsMount) -> None:
 
 
 def test_lmcache_temp_and_rename_and_rewrite(roomy: KvfsMount) -> None:
-    """The maker of `<key>.tmp` writes through the kernel; a rewrite of an existing file
-    (which others may be reading) is served by kvfs."""
+    """The maker of `<key>.tmp` writes through the kernel, and so does a rewriter of the
+    existing file that is alone on it."""
     root = roomy.mountpoint
     first, second = os.urandom(8 * MiB), os.urandom(5 * MiB)
     (root / "key.tmp").write_bytes(first)
@@ -84,9 +85,44 @@ def test_lmcache_temp_and_rename_and_rewrite(roomy: KvfsMount) -> None:
     with open(root / "key.data", "wb", buffering=0) as writer:  # O_TRUNC of an existing file
         writer.write(second)
     shown = stats(root)
-    assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (1, 1)
+    assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (2, 0)
     assert (root / "key.data").read_bytes() == second
     verified_after_remount(roomy, {"key.data": second})
+
+
+def test_rewrites_and_appends_of_existing_files_are_written_by_the_kernel(
+        roomy: KvfsMount) -> None:
+    """A writer alone on an existing file writes through the kernel into a copy of the
+    committed content, and reads its own writes; other handles see them after its close."""
+    root = roomy.mountpoint
+    base = os.urandom(3 * MiB + 5)
+    (root / "f").write_bytes(base)
+    with open(root / "f", "r+b", buffering=0) as rewriter:
+        rewriter.seek(MiB + 1)
+        rewriter.write(b"R" * 100)
+        rewriter.seek(MiB)
+        assert rewriter.read(101) == base[MiB:MiB + 1] + b"R" * 100
+    with open(root / "f", "ab", buffering=0) as appender:
+        appender.write(b"A" * 7)
+    expected = base[:MiB + 1] + b"R" * 100 + base[MiB + 101:] + b"A" * 7
+    assert (root / "f").read_bytes() == expected
+    shown = stats(root)
+    assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (3, 0)
+    assert shown["bytes_written"] == 0, "no byte crossed the daemon"
+    verified_after_remount(roomy, {"f": expected})
+
+
+def test_shared_writable_mmap_is_read_back_by_another_process(roomy: KvfsMount) -> None:
+    root = roomy.mountpoint
+    (root / "m").write_bytes(bytes(2 * MiB))
+    with open(root / "m", "r+b") as file, mmap.mmap(file.fileno(), 2 * MiB) as mapped:
+        mapped[MiB:MiB + 5] = b"hello"  # MAP_SHARED, PROT_WRITE
+        mapped.flush()
+    script = "import sys; d = open(sys.argv[1], 'rb').read(); print(len(d), d[1 << 20:][:5])"
+    shown = subprocess.run([sys.executable, "-c", script, str(root / "m")],
+                           capture_output=True, text=True, check=True).stdout
+    assert shown.split() == [str(2 * MiB), "b'hello'"]
+    verified_after_remount(roomy, {"m": bytes(MiB) + b"hello" + bytes(MiB - 5)})
 
 
 def test_appends_and_truncates_through_a_kernel_writer(roomy: KvfsMount) -> None:
@@ -181,12 +217,12 @@ def test_two_writers_in_one_process_as_on_ext4(roomy: KvfsMount, tmp_path: Path)
         assert (root / "h").read_bytes() == b"b" * 100
 
 
-def test_small_pools_and_existing_content_keep_daemon_writes(make_mount,
+def test_small_pools_and_writers_beside_readers_keep_daemon_writes(make_mount,
                                                              roomy: KvfsMount) -> None:
     root = roomy.mountpoint
     (root / "f").write_bytes(b"A" * MiB)
-    with open(root / "f", "r+b", buffering=0) as writer:  # keeps content: served here
-        writer.seek(10)
+    with open(root / "f", "rb", buffering=0), open(root / "f", "r+b", buffering=0) as writer:
+        writer.seek(10)  # beside a reader: served here
         writer.write(b"B")
     assert stats(root)["write_opens_daemon"] == 1
     small = make_mount("--capacity", "1G")

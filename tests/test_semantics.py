@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import multiprocessing
@@ -9,12 +10,14 @@ import os
 import socket
 import stat
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import stats
 
 MiB = 1 << 20
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def errno_of(call, *args) -> int:
@@ -310,21 +313,126 @@ def test_open_file_survives_unlink_and_rename_over(kvfs) -> None:
     assert sorted(os.listdir(root)) == ["target"]
 
 
-def test_o_direct_with_unaligned_buffers(kvfs) -> None:
-    path = kvfs.mountpoint / "direct.pt"
-    size = 4 * MiB
-    payload = os.urandom(size)
+def o_direct_round_trip(root: Path, offset: int) -> tuple:
+    """An O_DIRECT write then read of 4 MiB from buffers `offset` bytes past a page."""
+    path = root / "direct.pt"
+    payload = os.urandom(4 * MiB)
+    buffer = mmap.mmap(-1, 4 * MiB + 4096)
+    buffer[offset:offset + 4 * MiB] = payload
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
-    assert os.write(fd, memoryview(b"\0" * 64 + payload)[64:]) == size
-    os.close(fd)
+    try:
+        written = attempt(os.write, fd, memoryview(buffer)[offset:offset + 4 * MiB])
+    finally:
+        os.close(fd)
+    buffer[:] = bytes(len(buffer))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    aligned = mmap.mmap(-1, size + 4096)
-    view = memoryview(aligned)[64:64 + size]  # deliberately unaligned
-    assert os.readv(fd, [view]) == size
-    os.close(fd)
-    assert bytes(view) == payload
-    view.release()
-    aligned.close()
+    try:
+        read = attempt(os.readv, fd, [memoryview(buffer)[offset:offset + 4 * MiB]])
+    finally:
+        os.close(fd)
+    same = buffer[offset:offset + 4 * MiB] == payload
+    path.unlink()
+    return written, read, same
+
+
+def attempt(call, *args) -> object:
+    try:
+        return call(*args)
+    except OSError as error:
+        return errno.errorcode[error.errno]
+
+
+@pytest.mark.parametrize("offset", [0, 512, 64])
+def test_o_direct_as_on_the_plain_directory(make_mount, tmp_path: Path, offset: int) -> None:
+    """O_DIRECT goes through the kernel to the volume: page- and sector-aligned buffers
+    work, a buffer 64 bytes off is refused (EINVAL) exactly as on the plain directory.
+    (A pool big enough for kernel writers: in small ones kvfs serves writes itself.)"""
+    kvfs = make_mount("--capacity", "8G")
+    assert o_direct_round_trip(kvfs.mountpoint, offset) == o_direct_round_trip(tmp_path, offset)
+    if offset % 512 == 0:
+        assert o_direct_round_trip(kvfs.mountpoint, offset) == (4 * MiB, 4 * MiB, True)
+
+
+def test_o_direct_through_the_daemon_takes_any_alignment(make_mount) -> None:
+    """--odirect daemon: kvfs serves O_DIRECT opens itself, unaligned buffers too."""
+    kvfs = make_mount("--capacity", "1G", "--odirect", "daemon")
+    assert o_direct_round_trip(kvfs.mountpoint, 64) == (4 * MiB, 4 * MiB, True)
+    shown = stats(kvfs.mountpoint)
+    assert shown["opens_passthrough"] == shown["write_opens_passthrough"] == 0
+
+
+FALLOC = {"0": 0, "KEEP_SIZE": 0x01, "PUNCH_HOLE": 0x03, "ZERO_RANGE": 0x10}
+# The kernel's FUSE refuses these itself (fs/fuse/file.c: EOPNOTSUPP), whatever the daemon.
+FALLOC_NOT_IN_FUSE = {"COLLAPSE_RANGE": 0x08, "INSERT_RANGE": 0x20}
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if LIBC.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+@pytest.mark.parametrize("beside_a_reader", [False, True], ids=["kernel-writer", "served"])
+@pytest.mark.parametrize("mode", sorted(FALLOC))
+def test_fallocate_as_on_the_plain_directory(kvfs, tmp_path: Path, mode: str,
+                                             beside_a_reader: bool) -> None:
+    """Each fallocate mode, by a writer alone on its file (the kernel writes) and by one
+    beside a reader (kvfs serves it): the same answers, size and bytes as ext4's."""
+    outcomes = {}
+    original = os.urandom(3 * MiB)
+    for root in (kvfs.mountpoint, tmp_path):
+        path = root / "f"
+        path.write_bytes(original)
+        reader = os.open(path, os.O_RDONLY) if beside_a_reader else None
+        fd = os.open(path, os.O_RDWR)
+        seen = [attempt(fallocate, fd, FALLOC[mode], MiB, 2 * 4096),
+                attempt(fallocate, fd, FALLOC[mode], 3 * MiB - 4096, MiB),
+                attempt(fallocate, fd, FALLOC[mode], 5, 100), os.fstat(fd).st_size]
+        os.close(fd)
+        if reader is not None:
+            if root == kvfs.mountpoint:  # close-to-open: its version, unchanged
+                assert os.pread(reader, 10, 0) == original[:10]
+            os.close(reader)
+        seen.append(path.read_bytes())
+        outcomes[root] = seen
+    assert outcomes[kvfs.mountpoint] == outcomes[tmp_path]
+    assert stats(kvfs.mountpoint)["handler_errors"] == 0
+
+
+@pytest.mark.parametrize("mode", sorted(FALLOC_NOT_IN_FUSE))
+def test_fallocate_modes_fuse_lacks_are_refused_cleanly(kvfs, mode: str) -> None:
+    path = kvfs.mountpoint / "f"
+    path.write_bytes(b"k" * (3 * MiB))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert attempt(fallocate, fd, FALLOC_NOT_IN_FUSE[mode], MiB, MiB) == "ENOTSUP"
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"k" * (3 * MiB)
+
+
+@pytest.mark.parametrize("within_one_file", [True, False])
+def test_copy_file_range_as_on_the_plain_directory(kvfs, tmp_path: Path,
+                                                   within_one_file: bool) -> None:
+    """copy_file_range within one open file and between files, uncommitted bytes included;
+    each call must return (not stall) with ext4's answer."""
+    outcomes = {}
+    original = os.urandom(2 * MiB + 5)
+    for root in (kvfs.mountpoint, tmp_path):
+        source = os.open(root / "a", os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(source, original)  # not yet committed
+        target = source if within_one_file else os.open(root / "b", os.O_RDWR | os.O_CREAT,
+                                                        0o644)
+        calls = [(MiB, 0, 3 * MiB), (4096, 0, 2 * MiB), (100, 10, MiB + 3), (MiB, 5, 2 * MiB)]
+        with ThreadPoolExecutor(1) as pool:
+            seen = [pool.submit(attempt, os.copy_file_range, source, target, length, src,
+                                dst).result(timeout=30) for length, src, dst in calls]
+        seen.append(os.fstat(target).st_size)
+        for fd in {source, target}:
+            os.close(fd)
+        seen += [(root / name).read_bytes() for name in ("a", "b") if (root / name).exists()]
+        outcomes[root] = seen
+    assert outcomes[kvfs.mountpoint] == outcomes[tmp_path]
 
 
 def test_capacity_is_enforced(make_mount) -> None:

@@ -45,10 +45,18 @@ from dataclasses import replace
 import trio
 
 from kvfs.data import ChecksumError, check_file_size
-from kvfs.files.state import WRITER_WAIT_SECONDS, Backing, Caller, Handle, Opened, OpenInode
+from kvfs.files.state import (
+    WRITER_WAIT_SECONDS,
+    Backing,
+    Caller,
+    Handle,
+    Opened,
+    OpenInode,
+    privileges_to_clear,
+)
 from kvfs.files.writing import WritingOps
 from kvfs.meta import Inode
-from kvfs.records import BlobInfo, fail
+from kvfs.records import BlobInfo, FsError, fail
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +64,17 @@ __all__ = ["Caller", "FileTable", "Handle", "Opened"]
 
 
 class FileTable(WritingOps):
-    async def open(self, inode: Inode, flags: int, caller: Caller,
-                   created: bool = False) -> Opened:
-        """Open a file; `created`: by the request that made it (its maker may write through
-        the kernel)."""
+    async def open(self, inode: Inode, flags: int, caller: Caller) -> Opened:
         self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
         try:
-            opened = await self._open_file(inode, flags, caller, created)
+            opened = await self._open_file(inode, flags, caller)
             return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
         finally:
             self._opening[inode.ino] -= 1
             if not self._opening[inode.ino]:
                 del self._opening[inode.ino]
 
-    async def _open_file(self, inode: Inode, flags: int, caller: Caller,
-                         created: bool) -> Opened:
+    async def _open_file(self, inode: Inode, flags: int, caller: Caller) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
@@ -106,16 +110,29 @@ class FileTable(WritingOps):
             self.stats.bytes_opened += blob.size
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
-        contended = state.writers_waiting or any(
+        contended = bool(state.writers_waiting) or any(
             h.version != inode.version or h.writable for h in state.handles)
         state.handles.add(handle)
         self._handles[handle.fh] = handle
+        try:
+            return await self._answer_open(state, handle, flags, contended)
+        except BaseException:
+            del self._handles[handle.fh]
+            with trio.CancelScope(shield=True):
+                await self._close_handle(handle)
+            raise
+
+    async def _answer_open(self, state: OpenInode, handle: Handle, flags: int,
+                           contended: bool) -> Opened:
+        """How the kernel is to do the I/O of a handle just opened (and a truncating open's
+        truncate)."""
+        inode, writable, blob, fd = state.inode, handle.writable, handle.blob, handle.fd
         if writable and flags & os.O_TRUNC:
             await self.truncate(handle, 0)
             await self._clear_privileges(handle)  # truncation by open is a write: it clears them
         if self.passthrough.available():
             if writable:
-                return await self._open_writer(state, handle, flags, created)
+                return await self._open_writer(state, handle, flags)
             return self._open_for_passthrough(state, handle,
                                               self._passes_through(writable, flags, blob))
         self.stats.opens_daemon += not writable
@@ -166,10 +183,8 @@ class FileTable(WritingOps):
         return inode, blob
 
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
-        """Readers of a committed blob, O_DIRECT ones too: the kernel reads the blob with
-        the caller's flags (so O_DIRECT has the volume's alignment rules, as on a plain
-        directory)."""
-        return not writable and blob is not None and self.passthrough.available()
+        """Readers of a committed blob, O_DIRECT ones too unless --odirect daemon."""
+        return not writable and blob is not None and self.passthrough.takes(flags)
 
     def _backing_conflict(self, ino: int, writable: bool, flags: int,
                           blob: BlobInfo | None) -> bool:
@@ -229,18 +244,24 @@ class FileTable(WritingOps):
         return Opened(handle.fh, direct_io=True, keep_cache=False,
                       backing_id=state.backing.backing_id)
 
-    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int,
-                           created: bool) -> Opened:
-        """The maker of a new file (LMCache's `<key>.tmp`), alone on it, writes through the
-        kernel straight into its staged file, in room reserved up front. Others are served
-        here, direct_io, each write accounted and hashed as it comes: a reader that opens a
-        file beside a kernel writer cannot be (the kernel takes no other open of the inode)
-        and waits for it, so rewrites of files others may be reading stay served here."""
+    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
+        """A writer alone on its file (a maker like LMCache's `<key>.tmp`, a rewriter, an
+        appender; O_DIRECT or not) writes through the kernel straight into its staged file,
+        in room reserved up front; a rewrite's staged file starts as a copy of the committed
+        content (copy_file_range: the volume's reflink where it has one). Writers beside
+        other opens of the file are served here, direct_io, each write accounted and hashed
+        as it comes: the kernel takes no other open of an inode beside a writer's backing
+        file, so a reader arriving meanwhile waits for it or is served here too."""
         inode = state.inode
-        if (not created or len(state.handles) > 1
-                or state.writers_waiting or self._opening[inode.ino] > 1):
-            return self._served_writer(state, handle)
+        if (len(state.handles) > 1 or state.writers_waiting or self._opening[inode.ino] > 1
+                or not self.passthrough.takes(flags)
+                or handle.kill_privs and privileges_to_clear(inode, handle.kill_privs)):
+            return self._served_writer(state, handle)  # (a write clears setuid/gid: seen here)
         staged = await self._staged(handle)
+        try:
+            await self._copy_base(staged)
+        except FsError:  # no room for a copy now: served here, copied when a write needs it
+            return self._served_writer(state, handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
@@ -301,23 +322,27 @@ class FileTable(WritingOps):
         try:
             await self.flush(handle)
         finally:
-            self._discard_staged(handle)
-            self.space.unstage(handle.reserved)
-            if handle.fd is not None:
-                os.close(handle.fd)
-            state = self._open[handle.ino]
-            state.handles.discard(handle)
-            if (handle.backing or handle.shares_backing) and state.backing is not None:
-                state.backing.users -= 1
-                if not state.backing.users:
-                    self.passthrough.unregister(state.backing.backing_id)
-                    state.backing = None
-            if state.kernel_users_gone is not None and not state.kernel_users():
-                state.kernel_users_gone.set()
-                state.kernel_users_gone = None
-            self._forget_if_unused(state)
-            if handle.blob is not None:
-                await self.session.release(handle.blob.blob_id)
+            await self._close_handle(handle)
+
+    async def _close_handle(self, handle: Handle) -> None:
+        """Let go of what a handle holds (its flush is done, or it never opened)."""
+        self._discard_staged(handle)
+        self.space.unstage(handle.reserved)
+        if handle.fd is not None:
+            os.close(handle.fd)
+        state = self._open[handle.ino]
+        state.handles.discard(handle)
+        if (handle.backing or handle.shares_backing) and state.backing is not None:
+            state.backing.users -= 1
+            if not state.backing.users:
+                self.passthrough.unregister(state.backing.backing_id)
+                state.backing = None
+        if state.kernel_users_gone is not None and not state.kernel_users():
+            state.kernel_users_gone.set()
+            state.kernel_users_gone = None
+        self._forget_if_unused(state)
+        if handle.blob is not None:
+            await self.session.release(handle.blob.blob_id)
 
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode, and with it any cached pages."""

@@ -57,6 +57,18 @@ class WritingOps(RetiringOps):
             await off_loop(self.meta.set_attrs, ino, clear_mode=bits)
             self.on_attributes_changed(ino)
 
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on the handle's staged file: what the volume does with it, and its
+        errno when it refuses (a mode it lacks, a misaligned collapse)."""
+        handle = self.handle(fh)
+        if offset < 0 or length <= 0:
+            raise fail(errno.EINVAL)
+        async with handle.lock:
+            staged = await self._staged(handle)
+            await self._change(staged, staged.fallocate_growth_bound(mode, offset, length),
+                               lambda: staged.fallocate(mode, offset, length))
+            handle.changed_at = next(self._clock)
+
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:
             staged = await self._staged(handle, fresh=True)
@@ -99,6 +111,18 @@ class WritingOps(RetiringOps):
             self._blob_ids = await off_loop(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
         blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
         return blob_id
+
+    async def _copy_base(self, staged: StagedFile) -> None:
+        """Copy the committed content a rewrite keeps into the staged file, off the loop, in
+        room reserved first."""
+        if not staged.has_base():
+            return
+        before = staged.physical
+        await self.space.reserve(staged.base_allocated())
+        try:
+            await off_loop(staged.materialize)
+        finally:
+            self.space.stage(staged.physical - before)
 
     async def _change(self, staged: StagedFile, growth_bound: int,
                       change: Callable[[], T]) -> T:
