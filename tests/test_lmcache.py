@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import stats
 from lmcache_engines import Engines, assert_exact
 
 KVFS_CLI = Path(sys.executable).parent / "kvfs"
@@ -73,8 +74,11 @@ def test_fs_plugin_concurrent_writers_of_the_same_llama_chunks(make_mount, engin
 
 
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
-def test_local_disk_stores_and_reads_back_its_own_chunks(kvfs, engines: Engines,
+def test_local_disk_stores_and_reads_back_its_own_chunks(make_mount, engines: Engines,
                                                          odirect: bool) -> None:
+    """Also with `use_odirect`: its stores and reads go through the kernel (a pool big
+    enough for kernel writers), none through the daemon."""
+    kvfs = make_mount("--capacity", "8G")
     directory = kvfs.mountpoint / "local_disk"
     result = engines.run("store", "lookup", "retrieve", backend="local_disk", dir=directory,
                          odirect=odirect, chunks=6, kv_seed=5)
@@ -82,6 +86,11 @@ def test_local_disk_stores_and_reads_back_its_own_chunks(kvfs, engines: Engines,
     assert_exact(result, 6, {5})
     files = chunk_files(directory, ".pt")
     assert len(files) == 6 and {f.stat().st_size for f in files} == {result["chunk_bytes"]}
+    shown = stats(kvfs.mountpoint)
+    if shown["data_path"] == "passthrough":
+        assert shown["write_opens_passthrough"] == 6 and shown["write_opens_daemon"] == 0
+        assert shown["opens_passthrough"] >= 6 and shown["opens_daemon"] == 0
+        assert shown["bytes_read"] == shown["bytes_written"] == 0
 
 
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
