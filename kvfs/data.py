@@ -496,15 +496,16 @@ class StagedFile:
         self.changed = True
 
     def fallocate(self, mode: int, offset: int, length: int) -> None:
-        """fallocate(2) on the staged file. Room kept past the end (KEEP_SIZE) is not taken:
-        it would hold volume space that no file's size or `du` shows. Blocks from `offset`
-        on are hashed again at commit (a collapse or insert moves all that follow)."""
+        """fallocate(2) on the staged file. With KEEP_SIZE the range stops at the end of the
+        file: room past it would hold volume space that no size or `du` shows, and what lies
+        past the end reads as nothing anyway. Blocks from `offset` on are hashed again at
+        commit (a collapse or insert moves all that follow)."""
         check_file_size(offset + length)
-        preallocating = mode == FALLOC_FL_KEEP_SIZE  # room only: the content stays
-        if preallocating:
+        if mode & FALLOC_FL_KEEP_SIZE:
             length = min(length, self.size - offset)
             if length <= 0:
                 return
+        preallocating = mode == FALLOC_FL_KEEP_SIZE  # room only: the content stays
         self.materialize()
         self._grow(offset)
         if _libc.fallocate(self.fd, mode, ctypes.c_long(offset), ctypes.c_long(length)):

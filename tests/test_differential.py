@@ -602,6 +602,9 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         self.ours = self.mount.mountpoint
         self.theirs = self.reference
         assert os.listdir(self.ours) == [] and os.listdir(self.theirs) == []
+        # Plain files (inodes) that fallocate gave room without data: SEEK_DATA, which the
+        # plain side's allocation is measured with, does not see that room; st_blocks does.
+        self.preallocated: set[int] = set()
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -773,6 +776,9 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
             return
         ours, wrote = session(self.ours.joinpath(*parts), flags_of(flags), steps, mode)
         theirs, _ = session(self.theirs.joinpath(*parts), flags_of(flags), steps, mode)
+        if any(step[0] == "fallocate" and step[1] != "PUNCH_HOLE" for step in steps):
+            with contextlib.suppress(OSError):
+                self.preallocated.add(os.lstat(self.theirs.joinpath(*parts)).st_ino)
         for index, (mine, other) in enumerate(zip(ours, theirs, strict=False)):
             assert_same(f"open {'/'.join(parts)} {flags}: call {index} {mine[0]}", mine, other)
         assert len(ours) == len(theirs)
@@ -864,7 +870,20 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
     @invariant()
     def same_tree(self) -> None:
         assert_same("tree (types, modes, owners, sizes, links, targets, allocation)",
-                    tree(self.ours, plain=False), tree(self.theirs, plain=True))
+                    *self.comparable(tree(self.ours, plain=False), tree(self.theirs, plain=True)))
+
+    def comparable(self, ours: dict[str, tuple], theirs: dict[str, tuple]
+                   ) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """Both trees, the allocation of preallocated files left out of both."""
+        for relative in theirs:
+            with contextlib.suppress(OSError):
+                if os.lstat(self.theirs / relative).st_ino not in self.preallocated:
+                    continue
+            for found in (ours, theirs):
+                if relative in found:
+                    found[relative] = tuple(field for field in found[relative]
+                                            if not str(field).startswith("allocated="))
+        return ours, theirs
 
     @invariant()
     def counters_exact(self) -> None:
@@ -873,8 +892,9 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
     @rule()
     def same_contents(self) -> None:
         assert_same("tree with contents and xattrs",
-                    tree(self.ours, plain=False, contents=True, reference=self.theirs),
-                    tree(self.theirs, plain=True, contents=True))
+                    *self.comparable(
+                        tree(self.ours, plain=False, contents=True, reference=self.theirs),
+                        tree(self.theirs, plain=True, contents=True)))
 
     def teardown(self) -> None:
         if sys.exc_info()[0] is not None:  # a step failed: let its error be the one reported
