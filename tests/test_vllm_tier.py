@@ -97,7 +97,9 @@ def test_past_capacity_lru_evicts_and_every_block_loaded_is_exact(make_mount) ->
     assert_loaded(run_worker("load", root, 8, seed=5), list(range(8)))
     second = run_worker("store", root, 32, first=32, seed=5)
     for error in second["errors"]:  # a store may fail, cleanly: no room, nothing left behind
-        assert "No space left on device" in error, error
+        # (ENOSPC, or a write cut short where only part of it fit, as Linux does; vLLM
+        # counts that as a failed store and removes its temp file)
+        assert "No space left on device" in error or "Short write" in error, error
     assert not [path for path in tier_files(root) if path.name.endswith(".tmp")]
 
     loaded = run_worker("load", root, BLOCKS, seed=5)
