@@ -93,6 +93,13 @@ def blob_files(data: Path) -> list[Path]:
     return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
 
 
+def resident_bytes(path: Path) -> int:
+    """Bytes of a file in the page cache (fincore, from util-linux)."""
+    shown = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
+                            str(path)], capture_output=True, text=True, check=True).stdout
+    return int(shown.strip())
+
+
 def allocated(path: Path) -> int:
     """Bytes a file takes on its volume, as kvfs counts them (no preallocation past EOF)."""
     st = path.stat()

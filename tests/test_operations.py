@@ -13,7 +13,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import daemon_pid, drop_caches, is_mounted, stats, wait_dead
+from conftest import (
+    blob_files,
+    daemon_pid,
+    drop_caches,
+    is_mounted,
+    resident_bytes,
+    stats,
+    wait_dead,
+)
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -124,11 +132,16 @@ def test_prewarm_serves_later_reads_from_memory(make_mount, passthrough: str) ->
         assert (warmed["verified_bytes"], warmed["bytes_read"]) == (12 * MiB, 0)
     else:  # once from the volume, once into the kernel page cache
         assert (warmed["verified_bytes"], warmed["bytes_read"]) == (0, 2 * 12 * MiB)
+    # What the kernel evicted meanwhile (this VM hands idle memory back) is checked again.
+    evicted = sum(blob.stat().st_size for blob in blob_files(kvfs.data)
+                  if resident_bytes(blob) < blob.stat().st_size)
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").read_bytes()
     later = stats(kvfs.mountpoint)
+    checked_again = evicted if warmed["data_path"] == "passthrough" else 0
     assert (later["bytes_read"], later["verified_bytes"]) == (
-        warmed["bytes_read"], warmed["verified_bytes"]), "reads came from the page cache"
+        warmed["bytes_read"], warmed["verified_bytes"] + checked_again), \
+        "reads came from the page cache"
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from conftest import (
     assert_counters_exact,
     blob_files,
     drop_caches,
+    resident_bytes,
     stats,
     wait_for,
 )
@@ -142,13 +143,6 @@ def test_verify_open_checks_every_open_of_a_file_not_wholly_in_memory(
         read_all(root, {"c0": payloads["c0"]})
         assert stats(root)["verified_bytes"] == total + len(payloads["c0"])
     assert_counters_exact(root, kvfs.data)
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of a file in the page cache (fincore, from util-linux)."""
-    shown = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
-                            str(path)], capture_output=True, text=True, check=True).stdout
-    return int(shown.strip())
 
 
 def test_many_readers_of_one_chunk_share_one_backing_file(passthrough: KvfsMount) -> None:
