@@ -46,6 +46,7 @@ ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own le
 FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
 FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
+SUMS_AT_CLOSE_MAX = 64 << 10  # kernel-written files up to this size are hashed at their close
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
 _HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
 
@@ -524,6 +525,16 @@ class StagedFile:
     def read(self, offset: int, size: int) -> bytes:
         fd = self._base[0] if self._base is not None else self.fd  # reading copies nothing
         return os.pread(fd, size, offset)
+
+    def hashes_later(self, kernel_wrote: bool) -> bool:
+        """Whether the sums are taken after the commit: of what the kernel wrote, unless it is
+        small enough to read back in one small read at the close."""
+        return kernel_wrote and self.size > SUMS_AT_CLOSE_MAX
+
+    def finishes_at_once(self, kernel_wrote: bool) -> bool:
+        """Whether `finish` is a few small syscalls: nothing to copy, sync or hash beyond one
+        small read."""
+        return kernel_wrote and not self.has_base() and not self.store.fsync
 
     def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
         """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be

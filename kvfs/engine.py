@@ -5,33 +5,43 @@ transactions, and nothing about files: the namespace logic is written once, over
 kvfs/meta.py (JuiceFS's transactional key-value engines are the model). `LmdbEngine` is the
 embedded one: one LMDB environment on the volume, one named database per family.
 
-Group commit: every change runs in the engine's one committer thread. Changes that queue while
-a commit syncs go into the next transaction together, each in a nested transaction of its own
-(one that fails undoes only itself), and share its one sync; each caller returns once the
-commit holding its change is durable.
+Changes of the embedded engine never wait for a disk sync. A change runs at once, in the
+caller's thread, against what LMDB holds plus the changes not yet in it (`_Layer`s in memory);
+its writes go to the change log (kvfs/changelog.py, one `write`, no sync) and into the newest
+layer, and the caller returns: the change is visible to every later read and survives the
+daemon's death. The committer thread moves the layers into LMDB, one synced transaction per
+layer (group commit: everything answered during one sync goes into the next), and the log
+segments LMDB now holds are deleted. A power loss undoes at most the changes answered since
+the last of those syncs (milliseconds) and never breaks the database; `sync()` waits for them.
+
+Reads see one moment: a snapshot takes, under the engine's lock, an LMDB read transaction and
+the layers not yet in it, and reads each key from the newest layer that has it, else LMDB.
+Each change's writes carry its sequence number, so a snapshot ignores changes made after it
+began, and LMDB records the last sequence number it holds, so a layer LMDB already holds is
+never counted twice (counters are deltas).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
-from queue import SimpleQueue
 from typing import Protocol, TypeVar
 
 import lmdb
 
-from kvfs.records import fail
+from kvfs.changelog import ADD, DELETE, KEEP, PUT, ChangeLog, decode, encode
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-GROUP_MAX = 256  # changes committed together at most
+APPLIED_KEY = b"changes applied"  # settings: the last change LMDB holds (read from LMDB only)
+RETRY_SECONDS = 1.0  # a group LMDB refused (a full map) is tried again after this
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
 _COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
@@ -80,8 +90,9 @@ class Engine(Protocol):
     def snapshot(self) -> AbstractContextManager[Txn]: ...
 
     def change(self, change: Callable[[Txn], T]) -> T:
-        """Run `change` in a transaction; returns once it is durable. Errors it raises come
-        back to the caller, and its writes are undone; ENOSPC when the engine is full."""
+        """Run `change` in a transaction; returns once it is visible to every later read and
+        survives the daemon's death (the embedded engine: in its change log; a shared engine:
+        committed). Errors it raises come back to the caller, and its writes are undone."""
         ...
 
     def allocate(self, key: bytes, count: int) -> int:
@@ -99,69 +110,191 @@ class Engine(Protocol):
 
     def alive(self, session: bytes) -> bool: ...
 
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        """Wait until every change answered so far is durable (survives a power loss)."""
+        ...
 
     def close(self) -> None: ...
 
 
-class _LmdbTxn:
-    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
-        self._txn = txn
+# One key's pending change: [new value (bytes), removal (None) or KEEP, counter delta].
+Pending = list
+Writes = dict[str, dict[bytes, Pending]]
+
+
+@dataclass
+class _Layer:
+    """Changes not yet in LMDB: per family and key, the versions (seq, value, delta), oldest
+    first. Only the engine's lock holder appends; snapshots read the versions they may see."""
+
+    families: dict[str, dict[bytes, list[tuple[int, object, int]]]] = field(default_factory=dict)
+    last_seq: int = 0
+
+    def add(self, seq: int, writes: Writes) -> None:
+        for family, keys in writes.items():
+            versions = self.families.setdefault(family, {})
+            for key, (value, delta) in keys.items():
+                versions.setdefault(key, []).append((seq, value, delta))
+        self.last_seq = seq
+
+    def folded(self) -> Writes:
+        """The layer's end state per key, for one LMDB transaction."""
+        writes: Writes = {}
+        for family, keys in self.families.items():
+            folded = writes.setdefault(family, {})
+            for key, versions in keys.items():
+                value, delta = KEEP, 0
+                for _, changed, added in versions:
+                    if changed is not KEEP:
+                        value, delta = changed, 0
+                    delta += added
+                folded[key] = [value, delta]
+        return writes
+
+
+def _apply(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], writes: Writes) -> None:
+    for family, keys in writes.items():
+        db = dbs[family]
+        for key, (value, delta) in keys.items():
+            if value is None:
+                txn.delete(key, db=db)
+            elif value is not KEEP:
+                txn.put(key, value, db=db)
+            if delta:
+                raw = txn.get(key, db=db)
+                txn.put(key, _COUNT.pack((_COUNT.unpack(raw)[0] if raw else 0) + delta), db=db)
+
+
+class _LayeredTxn:
+    """A snapshot of LMDB under the layers not yet in it; with `writes`, a change that
+    collects its writes there (read first)."""
+
+    def __init__(self, lmdb_txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database],
+                 layers: list[_Layer], visible: int, writes: Writes | None = None) -> None:
+        self._txn = lmdb_txn
         self._dbs = dbs
+        self._layers = layers[::-1]  # newest first
+        self._visible = visible
+        self.writes = writes
+
+    def _pending(self, family: str, key: bytes) -> tuple[object, int]:
+        """(value, delta) that the layers (and this change) add to LMDB's record."""
+        delta = 0
+        if self.writes is not None:
+            own = self.writes.get(family, {}).get(key)
+            if own is not None:
+                if own[0] is not KEEP:
+                    return own[0], own[1]
+                delta = own[1]
+        for layer in self._layers:
+            versions = layer.families.get(family, {}).get(key)
+            for seq, value, added in reversed(versions or ()):
+                if seq > self._visible:
+                    continue
+                delta += added
+                if value is not KEEP:
+                    return value, delta
+        return KEEP, delta
+
+    def _resolve(self, family: str, key: bytes, stored: bytes | None) -> bytes | None:
+        value, delta = self._pending(family, key)
+        if value is KEEP:
+            value = stored
+        if delta:
+            base = _COUNT.unpack(value)[0] if value else 0
+            return _COUNT.pack(base + delta)
+        return value  # type: ignore[return-value]
 
     def get(self, family: str, key: bytes) -> bytes | None:
-        return self._txn.get(key, db=self._dbs[family])
+        value, delta = self._pending(family, key)
+        if value is KEEP or delta:
+            return self._resolve(family, key, self._txn.get(key, db=self._dbs[family]))
+        return value  # type: ignore[return-value]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
-        return [self._txn.get(key, db=self._dbs[family]) for key in keys]
+        return [self.get(family, key) for key in keys]
+
+    def _write(self, family: str, key: bytes) -> Pending:
+        if self.writes is None:
+            raise TypeError("a snapshot is read-only")
+        return self.writes.setdefault(family, {}).setdefault(bytes(key), [KEEP, 0])
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
-        self._txn.put(key, value, db=self._dbs[family])
+        self._write(family, key)[:] = [bytes(value), 0]
 
     def delete(self, family: str, key: bytes) -> bool:
-        return self._txn.delete(key, db=self._dbs[family])
+        existed = self.get(family, key) is not None
+        self.discard(family, key)
+        return existed
 
     def pop(self, family: str, key: bytes) -> bytes | None:
-        return self._txn.pop(key, db=self._dbs[family])
+        value = self.get(family, key)
+        self.discard(family, key)
+        return value
 
     def discard(self, family: str, key: bytes) -> None:
-        self._txn.delete(key, db=self._dbs[family])
+        self._write(family, key)[:] = [None, 0]
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """LMDB's keys merged with the pending ones, in key order."""
+        # (list(): one C call, atomic under the GIL while a change adds keys in another thread)
+        pending = {key for layer in self._layers
+                   for key in list(layer.families.get(family, {})) if key >= start}
+        if self.writes is not None:
+            pending.update(key for key in self.writes.get(family, {}) if key >= start)
+        ahead = sorted(pending)
+        at = 0
         cursor = self._txn.cursor(db=self._dbs[family])
-        if cursor.set_range(start):
-            yield from cursor
+        stored = iter(cursor) if cursor.set_range(start) else iter(())
+        for key, value in stored:
+            while at < len(ahead) and ahead[at] < key:
+                resolved = self._resolve(family, ahead[at], None)
+                if resolved is not None:
+                    yield ahead[at], resolved
+                at += 1
+            if at < len(ahead) and ahead[at] == key:
+                at += 1
+                resolved = self._resolve(family, key, value)
+                if resolved is not None:
+                    yield key, resolved
+            else:
+                yield key, value
+        for key in ahead[at:]:
+            resolved = self._resolve(family, key, None)
+            if resolved is not None:
+                yield key, resolved
 
     def clear(self, family: str) -> None:
-        self._txn.drop(self._dbs[family], delete=False)
+        for key, _ in list(self.scan(family)):
+            self.discard(family, key)
 
     def count(self, family: str, key: bytes) -> int:
-        raw = self._txn.get(key, db=self._dbs[family])
+        raw = self.get(family, key)
         return _COUNT.unpack(raw)[0] if raw else 0
 
     def counts(self, family: str) -> dict[bytes, int]:
         return {bytes(key): _COUNT.unpack(raw)[0] for key, raw in self.scan(family)}
 
     def add(self, family: str, key: bytes, delta: int) -> None:
-        self._txn.put(key, _COUNT.pack(self.count(family, key) + delta), db=self._dbs[family])
+        self._write(family, key)[1] += delta
 
 
-class _LmdbSnapshot:
-    """A read transaction as a context manager (a plain class: lookups are the hot path)."""
+class _LayeredSnapshot:
+    """A read of one moment as a context manager (a plain class: lookups are the hot path)."""
 
-    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    def __init__(self, txn: _LayeredTxn, lmdb_txn: lmdb.Transaction[bytes]) -> None:
         self._txn = txn
-        self._dbs = dbs
+        self._lmdb_txn = lmdb_txn
 
     def __enter__(self) -> Txn:
-        return _LmdbTxn(self._txn, self._dbs)
+        return self._txn
 
     def __exit__(self, *exc: object) -> None:
-        self._txn.abort()
+        self._lmdb_txn.abort()
 
 
 class LmdbEngine:
-    """The embedded engine: LMDB in the volume's `meta/` directory."""
+    """The embedded engine: LMDB in the volume's `meta/` directory, with its change log."""
 
     shared = False
     conflicts = 0  # one writer at a time: changes never conflict
@@ -175,14 +308,91 @@ class LmdbEngine:
                              readahead=False, readonly=readonly, lock=True)
         self._dbs = {family: self.env.open_db(family.encode(), create=not readonly)
                      for family in families}
-        self._committer = None if readonly else _GroupCommitter(self)
+        self._lock = threading.RLock()
+        self._moved = threading.Condition(self._lock)  # a layer reached LMDB, or news for it
+        self._active = _Layer()
+        self._committing: _Layer | None = None
+        self._stopping = False
+        self.commit_failures = 0
+        self._log = ChangeLog(path)
+        self._seq = self._applied()
+        self._replay(readonly)
+        self._committer: threading.Thread | None = None
+        if not readonly:
+            self._log.start(self._seq + 1)
+            self._committer = threading.Thread(target=self._commit_layers, name="kvfs-commit",
+                                               daemon=True)
+            self._committer.start()
 
-    def snapshot(self) -> _LmdbSnapshot:
-        return _LmdbSnapshot(self.env.begin(), self._dbs)
+    def _applied(self) -> int:
+        with self.env.begin() as txn:
+            raw = txn.get(APPLIED_KEY, db=self._dbs["settings"])
+        return int(raw) if raw else 0
+
+    def _replay(self, readonly: bool) -> None:
+        """Changes answered before the last daemon stopped that LMDB does not hold yet: into
+        LMDB (or, read-only, into memory)."""
+        layer = _Layer()
+        for seq, payload in self._log.replay(self._seq):
+            writes: Writes = {}
+            for family, key, kind, value in decode(payload):
+                pending = writes.setdefault(family, {}).setdefault(key, [KEEP, 0])
+                if kind == PUT:
+                    pending[:] = [value, 0]
+                elif kind == DELETE:
+                    pending[:] = [None, 0]
+                elif kind == ADD:
+                    assert isinstance(value, int)
+                    pending[1] += value
+            layer.add(seq, writes)
+            self._seq = seq
+        if not layer.families:
+            if not readonly:
+                self._log.drop_all()
+            return
+        log.info("replaying %d changes from the change log", layer.last_seq - self._applied())
+        if readonly:
+            self._active = layer
+            return
+        self._write_layer(layer)
+        self._log.drop_all()
+
+    def _write_layer(self, layer: _Layer) -> None:
+        with self.env.begin(write=True) as txn:
+            _apply(txn, self._dbs, layer.folded())
+            txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=self._dbs["settings"])
+
+    def _view(self, writes: Writes | None) -> tuple[_LayeredTxn, lmdb.Transaction[bytes]]:
+        """LMDB and the layers it does not hold yet, as of now (the caller holds the lock)."""
+        lmdb_txn = self.env.begin()
+        raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
+        applied = int(raw) if raw else 0
+        layers = [layer for layer in (self._committing, self._active)
+                  if layer is not None and layer.last_seq > applied]
+        return _LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes), lmdb_txn
+
+    def snapshot(self) -> _LayeredSnapshot:
+        with self._lock:
+            txn, lmdb_txn = self._view(None)
+        return _LayeredSnapshot(txn, lmdb_txn)
 
     def change(self, change: Callable[[Txn], T]) -> T:
+        """Run `change` now; returns once it is visible and in the change log."""
         assert self._committer is not None, "a read-only engine changes nothing"
-        return self._committer.run(change)
+        writes: Writes = {}
+        with self._lock:
+            txn, lmdb_txn = self._view(writes)
+            try:
+                result = change(txn)
+            finally:
+                lmdb_txn.abort()
+            if writes:
+                seq = self._seq + 1
+                self._log.append(seq, encode(writes))
+                self._active.add(seq, writes)
+                self._seq = seq
+                self._moved.notify_all()
+        return result
 
     def allocate(self, key: bytes, count: int) -> int:
         def change(txn: Txn) -> int:
@@ -209,83 +419,45 @@ class LmdbEngine:
         return used * page <= limit
 
     def sync(self) -> None:
-        self.env.sync(True)
+        """Wait until LMDB holds every change answered so far (durable: synced)."""
+        with self._moved:
+            target = self._seq
+            while self._applied() < target and self._committer is not None \
+                    and self._committer.is_alive():
+                self._moved.wait(timeout=RETRY_SECONDS)
 
     def close(self) -> None:
         if self._committer is not None:
-            self._committer.stop()
+            with self._moved:
+                self._stopping = True
+                self._moved.notify_all()
+            self._committer.join()
+            if self._applied() == self._seq:
+                self._log.drop_all()
+            self._log.close()
         self.env.close()
 
-    def begin_group(self) -> lmdb.Transaction[bytes]:
-        return self.env.begin(write=True)
-
-    def nested(self, parent: lmdb.Transaction[bytes]) -> tuple[lmdb.Transaction[bytes], Txn]:
-        txn = self.env.begin(write=True, parent=parent)
-        return txn, _LmdbTxn(txn, self._dbs)
-
-
-class _GroupCommitter:
-    """The one thread that makes every change of an LmdbEngine (group commit, above)."""
-
-    def __init__(self, engine: LmdbEngine) -> None:
-        self.engine = engine
-        self._queue: SimpleQueue[tuple[Callable[[Txn], object], Future] | None] = SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="kvfs-commit", daemon=True)
-        self._thread.start()
-
-    def run(self, change: Callable[[Txn], T]) -> T:
-        future: Future[T] = Future()
-        self._queue.put((change, future))
-        return future.result()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _serve(self) -> None:
-        stopping = False
-        while not stopping:
-            group: list[tuple[Callable[[Txn], object], Future]] = []
-            while not group or (len(group) < GROUP_MAX and not self._queue.empty()):
-                item = self._queue.get()
-                if item is None:
-                    stopping = True
+    def _commit_layers(self) -> None:
+        """The committer thread: each layer into LMDB, in one synced transaction."""
+        while True:
+            with self._moved:
+                while not self._active.families and not self._stopping:
+                    self._moved.wait()
+                if not self._active.families:
+                    return
+                layer = self._committing = self._active
+                self._active = _Layer()
+            while True:
+                try:
+                    self._write_layer(layer)
                     break
-                group.append(item)
-            try:
-                self._commit(group)
-            except BaseException as error:  # never leave a caller waiting for ever
-                log.exception("group commit failed")
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(error)
-
-    def _commit(self, group: list[tuple[Callable[[Txn], object], Future]]) -> None:
-        outcomes: list[tuple[object, BaseException | None]] = []
-        try:
-            txn = self.engine.begin_group()
-            try:
-                outcomes = [self._apply(txn, change) for change, _ in group]
-                txn.commit()
-            except BaseException:
-                txn.abort()
-                raise
-        except BaseException as error:  # nothing of the group is committed
-            failure = fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
-            outcomes = [(None, failure)] * len(group)
-        for (_, future), (result, exc) in zip(group, outcomes, strict=True):
-            if exc is None:
-                future.set_result(result)
-            else:
-                future.set_exception(exc)
-
-    def _apply(self, parent: lmdb.Transaction[bytes], change: Callable[[Txn], object]
-               ) -> tuple[object, BaseException | None]:
-        nested, txn = self.engine.nested(parent)
-        try:
-            result = change(txn)
-            nested.commit()
-        except BaseException as error:
-            nested.abort()
-            return None, fail(errno.ENOSPC) if isinstance(error, lmdb.MapFullError) else error
-        return result, None
+                except lmdb.Error as error:  # answered already: kept in memory and the log
+                    self.commit_failures += 1
+                    log.error("moving changes into LMDB failed (%s); trying again", error)
+                    if self._stopping:
+                        return  # the change log still holds them: the next mount replays it
+                    time.sleep(RETRY_SECONDS)
+            with self._moved:
+                self._committing = None
+                self._moved.notify_all()
+            self._log.release(layer.last_seq)

@@ -27,7 +27,7 @@ from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
-from kvfs.offloop import MetaReads, off_loop
+from kvfs.offloop import MetaCalls, off_loop
 from kvfs.passthrough import Passthrough
 from kvfs.records import FsError, fail
 from kvfs.space import Space
@@ -159,7 +159,7 @@ class KvfsOperations(pyfuse3.Operations):
         super().__init__()
         self.caching = caching
         self.meta = meta
-        self.read_meta = MetaReads(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine.shared)
         self.files = files
         self.space = space
         self.stats = stats
@@ -202,7 +202,7 @@ class KvfsOperations(pyfuse3.Operations):
         control = self.control.lookup(parent_inode, name)
         if control is not None:
             return self._entry(control)
-        inode = await self.read_meta(self.meta.lookup, parent_inode, name)
+        inode = await self.meta_call(self.meta.lookup, parent_inode, name)
         if inode is None:
             self.stats.lookup_misses += 1
             return negative_entry(self.caching.negative)
@@ -222,8 +222,8 @@ class KvfsOperations(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 await self.files.truncate(handle, attr.st_size)
             else:
-                await self.files.truncate_path(await self.read_meta(self.meta.get, inode),
-                                               attr.st_size, caller(ctx))
+                await self.files.truncate_path(await self.meta_call(self.meta.get, inode),
+                                                                    attr.st_size, caller(ctx))
                 self.notifier.attributes_changed(inode)
         changed: dict[str, int | None] = {
             "mode": attr.st_mode if fields.update_mode else None,
@@ -235,9 +235,9 @@ class KvfsOperations(pyfuse3.Operations):
         if not fields.update_size or any(value is not None for value in changed.values()):
             # Every attribute change is a ctime change, also one that changes nothing
             # (chown(f, -1, -1) arrives with no field set).
-            await off_loop(self.meta.set_attrs, inode, mode=changed["mode"],
-                           uid=changed["uid"], gid=changed["gid"],
-                           atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"])
+            await self.meta_call(self.meta.set_attrs, inode, mode=changed["mode"],
+                                 uid=changed["uid"], gid=changed["gid"],
+                                 atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"])
         if fields.update_size:  # the kernel's FUSE code clears setgid by an older rule
             await self.files.clear_privileges(inode, caller(ctx))
         return self._entry(await self.files.attributes(inode))
@@ -246,38 +246,38 @@ class KvfsOperations(pyfuse3.Operations):
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        inode = await off_loop(self.meta.make, parent_inode, name, mode, ctx.uid, ctx.gid,
-                               rdev=rdev)
+        inode = await self.meta_call(self.meta.make, parent_inode, name, mode, ctx.uid, ctx.gid,
+                                     rdev=rdev)
         return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await off_loop(self.meta.make, parent_inode, name,
-                               stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        inode = await self.meta_call(self.meta.make, parent_inode, name,
+                                     stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.retire(await off_loop(self.meta.remove, parent_inode, name, is_dir=False))
+        self.files.retire(await self.meta_call(self.meta.remove, parent_inode, name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        await off_loop(self.meta.remove, parent_inode, name, is_dir=True)
+        await self.meta_call(self.meta.remove, parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        _, replaced = await off_loop(self.meta.rename, parent_inode_old, name_old,
-                                     parent_inode_new, name_new, flags)
+        _, replaced = await self.meta_call(self.meta.rename, parent_inode_old, name_old,
+                                           parent_inode_new, name_new, flags)
         if replaced is not None:
             self.files.retire(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await off_loop(self.meta.make, parent_inode, name, stat.S_IFLNK | 0o777,
-                               ctx.uid, ctx.gid, target=target)
+        inode = await self.meta_call(self.meta.make, parent_inode, name, stat.S_IFLNK | 0o777,
+                                     ctx.uid, ctx.gid, target=target)
         return entry_attributes(inode, self.caching.entry)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
@@ -285,13 +285,13 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((new_parent_inode, new_name))
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        linked = await off_loop(self.meta.link, inode, new_parent_inode, new_name)
+        linked = await self.meta_call(self.meta.link, inode, new_parent_inode, new_name)
         return entry_attributes(linked, self.caching.entry)
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
             raise FUSEError(errno.EINVAL)
-        return await self.read_meta(self.meta.readlink, inode)
+        return await self.meta_call(self.meta.readlink, inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, _ in inode_list:
@@ -308,7 +308,7 @@ class KvfsOperations(pyfuse3.Operations):
         timeout = self.caching.entry
         after = start_id
         while True:  # in pages: a huge directory is never read whole
-            page = await self.read_meta(self.meta.readdir_page, fh, after, READDIR_PAGE)
+            page = await self.meta_call(self.meta.readdir_page, fh, after, READDIR_PAGE)
             for name, inode, cookie in page:
                 if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
                                              cookie):
@@ -331,7 +331,7 @@ class KvfsOperations(pyfuse3.Operations):
         result.f_blocks = capacity // STATFS_BLOCK
         result.f_bfree = result.f_bavail = max(0, capacity - used) // STATFS_BLOCK
         result.f_ffree = result.f_favail = 1 << 32
-        result.f_files = (await self.read_meta(self.meta.usage)).files + result.f_ffree
+        result.f_files = (await self.meta_call(self.meta.usage)).files + result.f_ffree
         result.f_namemax = NAME_MAX
         return result
 
@@ -340,16 +340,16 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         self._refuse_control((parent_inode, name))
-        inode = await off_loop(self.meta.make, parent_inode, name,
-                               stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        inode = await self.meta_call(self.meta.make, parent_inode, name,
+                                     stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx))
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=await self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(await self.read_meta(self.meta.get, inode), flags,
-                                       caller(ctx))
+        opened = await self.files.open(await self.meta_call(self.meta.get, inode), flags,
+                                                            caller(ctx))
         return opened.file_info()
 
     # pyfuse3 sends any buffer (it takes the reply with the buffer protocol); its stub says
@@ -397,15 +397,15 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        await off_loop(self.meta.setxattr, inode, name, value)
+        await self.meta_call(self.meta.setxattr, inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
         if not name.startswith(USER_XATTR) or self.control.owns(inode):
             raise FUSEError(errno.ENODATA)
-        return await self.read_meta(self.meta.getxattr, inode, name)
+        return await self.meta_call(self.meta.getxattr, inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
-        return [] if self.control.owns(inode) else await self.read_meta(self.meta.listxattr,
+        return [] if self.control.owns(inode) else await self.meta_call(self.meta.listxattr,
                                                                         inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
@@ -413,4 +413,4 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        await off_loop(self.meta.removexattr, inode, name)
+        await self.meta_call(self.meta.removexattr, inode, name)

@@ -12,7 +12,7 @@ when it resumes:
 Worker threads read and write only what they are handed and what the engines and the volume
 hold; the committer thread (kvfs/engine.py) runs only engine changes. Metadata reads of the
 embedded engine are memory-mapped lookups of microseconds: they run on the loop
-(`MetaReads`), while on a shared engine they are round trips and go to a worker.
+(`MetaCalls`), while on a shared engine they are round trips and go to a worker.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) 
                                          limiter=WORKERS)
 
 
-class MetaReads:
-    """Metadata reads on the loop's behalf: inline where they cannot block (LMDB), in a worker
-    where each is a network round trip (a shared engine)."""
+class MetaCalls:
+    """Metadata reads and changes on the loop's behalf: inline where they cannot block (the
+    embedded engine), in a worker where each is a network round trip (a shared engine)."""
 
     def __init__(self, blocking: bool) -> None:
         self.blocking = blocking

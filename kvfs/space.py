@@ -27,7 +27,7 @@ from pathlib import Path
 import trio
 
 from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed
-from kvfs.offloop import MetaReads, off_loop
+from kvfs.offloop import MetaCalls, off_loop
 from kvfs.records import FsError, fail
 from kvfs.sessions import Session
 from kvfs.stats import Stats
@@ -52,7 +52,7 @@ class Space:
                  open_inodes: Callable[[], frozenset[int]],
                  evicted: Callable[[list[Removed]], Awaitable[None]]) -> None:
         self.meta = meta
-        self.read_meta = MetaReads(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine.shared)
         self.session = session
         self.volume = volume
         self.stats = stats
@@ -64,19 +64,20 @@ class Space:
         # or gets old (the volume's free space can change behind our back).
         self._slack = 0
         self._slack_until = 0.0
+        self._large_until = 0.0  # until when the pool is known to be large for kernel writers
         self._evicting = trio.Lock()
         self._pinned_warning = False
 
     # -- accounting ----------------------------------------------------------------------
 
     async def used(self) -> int:
-        committed = (await self.read_meta(self.meta.usage)).used
+        committed = (await self.meta_call(self.meta.usage)).used
         return committed + self.staged + self.session.staged_elsewhere
 
     async def capacity(self) -> int:
         """The configured capacity, or what fits on the volume if that is less."""
         # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
-        configured, room = await self.read_meta(self._limits)
+        configured, room = await self.meta_call(self._limits)
         return max(0, min(configured, await self.used() + room))
 
     def _limits(self) -> tuple[int, int]:
@@ -106,8 +107,10 @@ class Space:
         """Room for a passthrough writer, reserved (and counted as staged) until it closes;
         0 where that is not to be had, or would be a large share of a small pool: then
         kvfs serves the writes and accounts each one exactly."""
-        if await self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
-            return 0
+        if time.monotonic() >= self._large_until:  # (checked again once the slack is old)
+            if await self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
+                return 0
+            self._large_until = time.monotonic() + SLACK_SECONDS
         try:
             await self.reserve(KERNEL_WRITER_RESERVE)
         except FsError:
@@ -138,7 +141,7 @@ class Space:
             return
         uses = self.take_uses()
         try:
-            await off_loop(self.meta.record_uses, uses)
+            await self.meta_call(self.meta.record_uses, uses)
         except BaseException:  # kept for the next flush (a shared engine may be busy)
             for ino, used_ns in uses.items():
                 self._uses[ino] = max(used_ns, self._uses.get(ino, 0))
@@ -160,7 +163,7 @@ class Space:
                     return False
                 open_now = self.open_inodes()
                 spared = [ino for ino in victims if ino not in open_now]  # opened meanwhile
-                dropped = await off_loop(self.meta.drop_files, spared, self.session.shared)
+                dropped = await self.meta_call(self.meta.drop_files, spared, self.session.shared)
                 for removed in dropped:
                     self.stats.evictions += 1
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,

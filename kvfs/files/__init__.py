@@ -152,14 +152,14 @@ class FileTable(WritingOps):
         """The inode and its blob record, with block sums: those of a blob the kernel wrote
         are taken first if the background has not yet (EIO, the file dropped, if its data
         file is not what was committed)."""
-        inode, blob = await self.read_meta(self.meta.content, ino)
+        inode, blob = await self.meta_call(self.meta.content, ino)
         if blob is not None and blob.pending:
             try:
                 await self.hasher.take_sums(blob.blob_id)
             except ChecksumError as error:
                 await self._drop_damaged(inode, str(error), blob)
                 raise fail(errno.EIO) from None
-            inode, blob = await self.read_meta(self.meta.content, ino)
+            inode, blob = await self.meta_call(self.meta.content, ino)
         return inode, blob
 
     async def _hold(self, inode: Inode, blob: BlobInfo | None
@@ -312,7 +312,7 @@ class FileTable(WritingOps):
         try:
             return self.data.open_blob(blob.blob_id)
         except FileNotFoundError:
-            if not await self.read_meta(self.meta.is_committed_blob, blob.blob_id):
+            if not await self.meta_call(self.meta.is_committed_blob, blob.blob_id):
                 raise fail(errno.ENOENT) from None  # evicted or replaced just now
             await self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None

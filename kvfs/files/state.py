@@ -24,7 +24,7 @@ from kvfs.data import (
     allocated_bytes,
 )
 from kvfs.meta import Inode, MetaStore, Removed
-from kvfs.offloop import MetaReads
+from kvfs.offloop import MetaCalls
 from kvfs.passthrough import Passthrough
 from kvfs.records import BlobInfo, fail
 from kvfs.sessions import Session
@@ -164,7 +164,7 @@ class FileState:
                  verify: VerifyMode, on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
-        self.read_meta = MetaReads(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine.shared)
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
@@ -197,7 +197,7 @@ class FileState:
         version they opened)."""
         state = self._open.get(ino)
         inode = (state.inode if state and state.unlinked
-                 else await self.read_meta(self.meta.get, ino))
+                 else await self.meta_call(self.meta.get, ino))
         state = self._open.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode

@@ -54,7 +54,7 @@ class WritingOps(RetiringOps):
         """A write or truncate by `writer` clears setuid/setgid as Linux would."""
         bits = privileges_to_clear(await self.attributes(ino), writer)
         if bits:
-            await off_loop(self.meta.set_attrs, ino, clear_mode=bits)
+            await self.meta_call(self.meta.set_attrs, ino, clear_mode=bits)
             self.on_attributes_changed(ino)
 
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
@@ -108,7 +108,7 @@ class WritingOps(RetiringOps):
 
     async def _new_blob_id(self) -> int:
         while not self._blob_ids:  # (another task may take the stock while this one waits)
-            self._blob_ids = await off_loop(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
+            self._blob_ids = await self.meta_call(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
         blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
         return blob_id
 
@@ -167,8 +167,12 @@ class WritingOps(RetiringOps):
         self._publishing.add(staged.blob_id)
         await self.session.hold(staged.blob_id)
         try:
-            blob, inode, old_blob = await off_loop(
-                self._finish_and_commit, handle.ino, staged, handle.backing)
+            # Off the loop unless it is a small read, a metadata change and a rename.
+            inline = staged.finishes_at_once(handle.backing) and not self.meta.engine.shared
+            later = staged.hashes_later(handle.backing)
+            commit = self._finish_and_commit
+            blob, inode, old_blob = (commit(handle.ino, staged, later) if inline else
+                                     await off_loop(commit, handle.ino, staged, later))
         except BaseException as error:
             await self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
@@ -195,8 +199,8 @@ class WritingOps(RetiringOps):
 
     def _finish_and_commit(self, ino: int, staged: StagedFile,
                            hash_later: bool) -> tuple[BlobInfo, Inode, int]:
-        """Hash (unless the kernel wrote it: then in the background, after the commit),
-        commit and (in the same worker thread) publish."""
+        """Hash (unless the kernel wrote it and it is large: then in the background, after
+        the commit), commit and publish."""
         blob = staged.finish(ino, hash_later)
         inode, old_blob = self.meta.commit_content(ino, blob)
         with contextlib.suppress(OSError):  # the flush tries again and reports the error

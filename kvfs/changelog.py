@@ -1,0 +1,181 @@
+"""The embedded engine's change log: every answered change, in order, until LMDB holds it.
+
+A change of the embedded engine (kvfs/engine.py) is answered as soon as it is visible in
+memory and written here; the committer then moves changes into LMDB in synced groups. The log
+is what makes an answered change survive the daemon's death (its writes sit in the page cache,
+which outlives the process); a change in LMDB needs it no more.
+
+Records, appended to segment files `DIR/changes-<first seq, 16 hex>.log`:
+
+    header   magic u32, seq u64, payload length u32, xxh3_64 of the payload u64
+    payload  entries: family (u8 length + name), key (u16 length + bytes), kind (u8):
+             PUT (+ u32 length + value), DELETE, ADD (+ i64 delta)
+
+Sequence numbers follow each other without gaps. Replay reads the segments in order; a torn
+or damaged record ends its segment (an append that failed goes on in a new one) and a gap in
+the sequence ends the replay: after a power loss the log holds a prefix of what was answered,
+never a record that skips one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x6B766C67  # "kvlg"
+_HEADER = struct.Struct("<IQIQ")
+_FAMILY = struct.Struct("<B")
+_KEY = struct.Struct("<H")
+_KIND = struct.Struct("<B")
+_VALUE = struct.Struct("<I")
+_DELTA = struct.Struct("<q")
+PUT, DELETE, ADD = 0, 1, 2
+SEGMENT_MAX = 16 << 20  # a new segment past this size: applied ones are deleted whole
+PREFIX = "changes-"
+
+# One key's change within a change: its new value (bytes), its removal (None) or neither
+# (KEEP), then a delta added to it as a counter.
+Write = tuple[object, int]
+
+
+class Keep:
+    """The value is unchanged (only a counter delta, if any, applies)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP = Keep()
+
+
+def encode(writes: dict[str, dict[bytes, list]]) -> bytes:
+    """A change's writes as one record's payload."""
+    parts: list[bytes] = []
+    for family, keys in writes.items():
+        name = family.encode()
+        head = _FAMILY.pack(len(name)) + name
+        for key, (base, delta) in keys.items():
+            entry = head + _KEY.pack(len(key)) + key
+            if base is None:
+                parts.append(entry + _KIND.pack(DELETE))
+            elif base is not KEEP:
+                assert isinstance(base, bytes | bytearray | memoryview)
+                parts.append(entry + _KIND.pack(PUT) + _VALUE.pack(len(base)) + bytes(base))
+            if delta:
+                parts.append(entry + _KIND.pack(ADD) + _DELTA.pack(delta))
+    return b"".join(parts)
+
+
+def decode(payload: bytes) -> Iterator[tuple[str, bytes, int, bytes | int | None]]:
+    """(family, key, kind, value or delta) of each entry, in order."""
+    at = 0
+    while at < len(payload):
+        (length,) = _FAMILY.unpack_from(payload, at)
+        family = payload[at + 1: at + 1 + length].decode()
+        at += 1 + length
+        (length,) = _KEY.unpack_from(payload, at)
+        key = payload[at + 2: at + 2 + length]
+        at += 2 + length
+        (kind,) = _KIND.unpack_from(payload, at)
+        at += 1
+        if kind == PUT:
+            (length,) = _VALUE.unpack_from(payload, at)
+            yield family, key, kind, payload[at + 4: at + 4 + length]
+            at += 4 + length
+        elif kind == ADD:
+            yield family, key, kind, _DELTA.unpack_from(payload, at)[0]
+            at += 8
+        else:
+            yield family, key, kind, None
+
+
+class ChangeLog:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fd: int | None = None
+        self._size = 0
+        self._segments: list[tuple[int, Path]] = []  # (first seq, path), oldest first
+
+    def _listed(self) -> list[tuple[int, Path]]:
+        found = []
+        for path in self.directory.glob(PREFIX + "*.log"):
+            try:
+                found.append((int(path.stem.removeprefix(PREFIX), 16), path))
+            except ValueError:
+                log.warning("not a change log segment: %s", path)
+        return sorted(found)
+
+    def replay(self, after: int) -> Iterator[tuple[int, bytes]]:
+        """(seq, payload) of every intact record after `after`, in order."""
+        expected = after + 1
+        for _, path in self._listed():
+            data = path.read_bytes()
+            at = 0
+            while at + _HEADER.size <= len(data):
+                magic, seq, length, digest = _HEADER.unpack_from(data, at)
+                payload = data[at + _HEADER.size: at + _HEADER.size + length]
+                if (magic != MAGIC or len(payload) != length
+                        or xxhash.xxh3_64_intdigest(payload) != digest):
+                    log.warning("change log segment %s ends at offset %d (torn)", path.name, at)
+                    break  # a failed append: the next segment goes on (if in sequence)
+                if seq > expected:
+                    log.warning("change log ends at seq %d (%s)", expected - 1, path.name)
+                    return
+                at += _HEADER.size + length
+                if seq == expected:
+                    yield seq, payload
+                    expected += 1
+
+    def start(self, next_seq: int) -> None:
+        """Write from `next_seq` on, into a new segment; earlier segments are replayed and
+        applied already (`drop_all` first)."""
+        self._open_segment(next_seq)
+
+    def append(self, seq: int, payload: bytes) -> None:
+        if self._fd is None or self._size >= SEGMENT_MAX:
+            self._open_segment(seq)
+        assert self._fd is not None
+        record = _HEADER.pack(MAGIC, seq, len(payload), xxhash.xxh3_64_intdigest(payload))
+        try:
+            written = os.write(self._fd, record + payload)
+            if written != len(record) + len(payload):
+                raise OSError(f"short write to the change log ({written} bytes)")
+        except OSError:
+            self.close()  # the change fails; the next one starts a new segment
+            raise
+        self._size += written
+
+    def release(self, applied: int) -> None:
+        """Delete the segments whose every record is at most `applied` (never the one being
+        written)."""
+        while len(self._segments) > 1 and self._segments[1][0] <= applied + 1:
+            _, path = self._segments.pop(0)
+            path.unlink(missing_ok=True)
+
+    def drop_all(self) -> None:
+        """Every record is applied: no segment is needed any more."""
+        self.close()
+        for _, path in self._listed():
+            path.unlink(missing_ok=True)
+        self._segments = []
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _open_segment(self, first_seq: int) -> None:
+        self.close()  # (a segment that failed at its first record is started again)
+        path = self.directory / f"{PREFIX}{first_seq:016x}.log"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(path, flags, 0o600)
+        self._size = 0
+        if not self._segments or self._segments[-1][0] != first_seq:
+            self._segments.append((first_seq, path))
