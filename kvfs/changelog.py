@@ -40,9 +40,6 @@ PUT, DELETE, ADD = 0, 1, 2
 SEGMENT_MAX = 16 << 20  # a new segment past this size: applied ones are deleted whole
 PREFIX = "changes-"
 
-# One key's change within a change: its new value (bytes), its removal (None) or neither
-# (KEEP), then a delta added to it as a counter.
-Write = tuple[object, int]
 
 
 class Keep:
@@ -53,6 +50,9 @@ class Keep:
 
 
 KEEP = Keep()
+# What a change does to one key's value: a new value (bytes), its removal (None) or neither
+# (KEEP); a counter delta may come with each.
+Value = bytes | None | Keep
 
 
 def encode(writes: dict[str, dict[bytes, list]]) -> bytes:

@@ -35,7 +35,7 @@ from typing import Protocol, TypeVar
 
 import lmdb
 
-from kvfs.changelog import ADD, DELETE, KEEP, PUT, ChangeLog, decode, encode
+from kvfs.changelog import ADD, DELETE, KEEP, PUT, ChangeLog, Keep, Value, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class _Layer:
     """Changes not yet in LMDB: per family and key, the versions (seq, value, delta), oldest
     first. Only the engine's lock holder appends; snapshots read the versions they may see."""
 
-    families: dict[str, dict[bytes, list[tuple[int, object, int]]]] = field(default_factory=dict)
+    families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
     last_seq: int = 0
 
     def add(self, seq: int, writes: Writes) -> None:
@@ -143,7 +143,8 @@ class _Layer:
         for family, keys in self.families.items():
             folded = writes.setdefault(family, {})
             for key, versions in keys.items():
-                value, delta = KEEP, 0
+                value: Value = KEEP
+                delta = 0
                 for _, changed, added in versions:
                     if changed is not KEEP:
                         value, delta = changed, 0
@@ -177,7 +178,7 @@ class _LayeredTxn:
         self._visible = visible
         self.writes = writes
 
-    def _pending(self, family: str, key: bytes) -> tuple[object, int]:
+    def _pending(self, family: str, key: bytes) -> tuple[Value, int]:
         """(value, delta) that the layers (and this change) add to LMDB's record."""
         delta = 0
         if self.writes is not None:
@@ -198,18 +199,16 @@ class _LayeredTxn:
 
     def _resolve(self, family: str, key: bytes, stored: bytes | None) -> bytes | None:
         value, delta = self._pending(family, key)
-        if value is KEEP:
-            value = stored
+        current = stored if isinstance(value, Keep) else value
         if delta:
-            base = _COUNT.unpack(value)[0] if value else 0
-            return _COUNT.pack(base + delta)
-        return value  # type: ignore[return-value]
+            return _COUNT.pack((_COUNT.unpack(current)[0] if current else 0) + delta)
+        return current
 
     def get(self, family: str, key: bytes) -> bytes | None:
         value, delta = self._pending(family, key)
-        if value is KEEP or delta:
+        if isinstance(value, Keep) or delta:
             return self._resolve(family, key, self._txn.get(key, db=self._dbs[family]))
-        return value  # type: ignore[return-value]
+        return value
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
         return [self.get(family, key) for key in keys]
