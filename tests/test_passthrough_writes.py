@@ -26,6 +26,8 @@ import pytest
 from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, stats, wait_for
 from test_passthrough import errno_of
 
+from kvfs.engine import LmdbEngine
+from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 from kvfs.records import SUMS_PENDING
 
 MiB = 1 << 20
@@ -160,15 +162,16 @@ def test_writes_after_a_flush_are_committed_anew(roomy: KvfsMount) -> None:
     verified_after_remount(roomy, {"f": expected})
 
 
-def read_in_another_process(path: Path) -> tuple[bytes, float]:
-    """What another process reads of `path`, and how long its open and read took."""
+def read_in_another_process(path: Path) -> tuple[bytes, float, float]:
+    """What another process reads of `path`, how long its open and read took, and when
+    (time.monotonic(), one clock for every process) they ended."""
     result = subprocess.run(
         [sys.executable, "-c", "import sys, time; start = time.monotonic(); "
-         "data = open(sys.argv[1], 'rb').read(); "
-         "sys.stdout.write(f'{time.monotonic() - start} {data.hex()}')", str(path)],
+         "data = open(sys.argv[1], 'rb').read(); end = time.monotonic(); "
+         "sys.stdout.write(f'{end - start} {end} {data.hex()}')", str(path)],
         capture_output=True, text=True, check=True, timeout=30)
-    seconds, data = result.stdout.split(" ")
-    return bytes.fromhex(data), float(seconds)
+    seconds, ended, data = result.stdout.split(" ")
+    return bytes.fromhex(data), float(seconds), float(ended)
 
 
 def test_others_wait_for_a_kernel_writer(roomy: KvfsMount) -> None:
@@ -179,9 +182,15 @@ def test_others_wait_for_a_kernel_writer(roomy: KvfsMount) -> None:
     payload = os.urandom(4 * MiB)
     writer = open(root / "f", "wb", buffering=0)
     writer.write(payload)
-    threading.Timer(0.3, writer.close).start()
-    read, seconds = read_in_another_process(root / "f")
-    assert read == payload and seconds >= 0.25
+    closing: list[float] = []
+
+    def close() -> None:
+        closing.append(time.monotonic())
+        writer.close()
+
+    threading.Timer(0.3, close).start()
+    read, _, ended = read_in_another_process(root / "f")
+    assert read == payload and ended >= closing[0]  # its open waited for the close
     with open(root / "g", "wb", buffering=0) as stays:
         stays.write(b"x")
         started = time.monotonic()
@@ -193,7 +202,7 @@ def test_others_wait_for_a_kernel_writer(roomy: KvfsMount) -> None:
         # (commits) the maker's "x", as every close does; then the child's open waits for the
         # maker, which stays open, and is served beside it.
         before = stats(root)["opens_passthrough"]
-        read, seconds = read_in_another_process(root / "g")
+        read, seconds, _ = read_in_another_process(root / "g")
         assert read == b"x" and seconds >= 1.5
         assert stats(root)["opens_passthrough"] == before  # served here, not by the kernel
     assert (root / "g").read_bytes() == b"x"
@@ -325,6 +334,9 @@ def test_sums_still_pending_at_a_crash(roomy: KvfsMount, rebooted: bool) -> None
         (root / name).write_bytes(payload)
     inos = {name: (root / name).stat().st_ino for name in payloads}
     roomy.kill9()
+    # What the killed daemon's change log holds goes into LMDB first, as the next mount
+    # would do it: the crash state is then made by editing LMDB itself.
+    LmdbEngine(roomy.data / "meta", FAMILIES, DEFAULT_MAP_SIZE).close()
     owners = {}
     env = lmdb.open(str(roomy.data / "meta"), max_dbs=16, readonly=True)
     with env.begin() as txn:
