@@ -84,6 +84,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel: O_DIRECT opens pass through too, with the volume's "
                              "alignment rules, as on a plain directory; daemon: kvfs serves "
                              "them, any alignment, at Python speed (default %(default)s)")
+    parser.add_argument("--prefetch", type=size, default=MountConfig.prefetch_bytes,
+                        metavar="SIZE",
+                        help="read and verify chunks in the background when an engine looks "
+                             "them up, before it opens them: at most SIZE queued and in flight; "
+                             "0 turns it off (default 2G)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
     parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
     parser.add_argument("--metrics-port", type=int,
@@ -102,6 +107,7 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
+        prefetch_bytes=args.prefetch,
     )
     daemon.run(config)
 
@@ -141,9 +147,21 @@ def pin_command(args: argparse.Namespace) -> None:
                 raise CliError(f"{path}: {error.strerror}") from None
 
 
+def model_rate(text: str) -> tuple[str, float]:
+    """MODEL=GBPS, e.g. meta-llama/Llama-3.1-8B-Instruct=4.5."""
+    model, _, rate = text.rpartition("=")
+    try:
+        value = float(rate)
+    except ValueError:
+        value = -1.0
+    if not model or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=GBPS with GBPS > 0")
+    return model, value
+
+
 def stat_command(args: argparse.Namespace) -> None:
     try:
-        statview.show(args.mountpoint, args.json, args.watch)
+        statview.show(args.mountpoint, args.json, args.watch, dict(args.break_even))
     except FileNotFoundError:
         raise CliError(f"{args.mountpoint} is not a kvfs mount (no .kvfs/stats)") from None
     except KeyboardInterrupt:
@@ -181,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("mountpoint", type=Path)
     show.add_argument("--json", action="store_true", help="print the raw JSON state")
     show.add_argument("--watch", action="store_true", help="refresh every second, with rates")
+    show.add_argument("--break-even", type=model_rate, action="append", default=[],
+                      metavar="MODEL=GBPS",
+                      help="load rate above which reusing MODEL's KV beats recomputing it "
+                           "(repeatable; defaults: the README's table)")
     show.set_defaults(func=stat_command)
     warm = commands.add_parser("prewarm", help="read files into memory ahead of traffic")
     warm.add_argument("paths", nargs="+", type=Path)

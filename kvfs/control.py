@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 
+from kvfs.loads import LoadMeter
 from kvfs.meta import ROOT_INO, Inode, MetaStore
 from kvfs.offloop import off_loop
 from kvfs.passthrough import Passthrough
@@ -32,7 +33,7 @@ FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
 
 
 async def snapshot(meta: MetaStore, space: Space, stats: Stats,
-                   passthrough: Passthrough, verify: VerifyMode) -> dict:
+                   passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> dict:
     """The mount's state, taken on the loop (the metadata read in a worker)."""
     def read() -> tuple[int, int, dict[str, dict[str, int]]]:
         hosts = len(meta.sessions()) if meta.engine.shared else 1
@@ -50,17 +51,19 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "metadata_conflicts": meta.engine.conflicts,
         "hosts": hosts,
         "models": models,
+        "loads": loads.as_dict(),
     }
 
 
 class ControlFiles:
     def __init__(self, meta: MetaStore, space: Space, stats: Stats,
-                 passthrough: Passthrough, verify: VerifyMode) -> None:
+                 passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> None:
         self.meta = meta
         self.space = space
         self.stats = stats
         self.passthrough = passthrough
         self.verify = verify
+        self.loads = loads
         self.started_ns = time.time_ns()
         self._contents: dict[int, bytes] = {}
         self._next_fh = itertools.count(FIRST_HANDLE)
@@ -68,7 +71,7 @@ class ControlFiles:
 
     async def _stats_json(self) -> bytes:
         state = await snapshot(self.meta, self.space, self.stats, self.passthrough,
-                               self.verify)
+                               self.verify, self.loads)
         return json.dumps(state, indent=2).encode() + b"\n"
 
     def owns(self, ino: int) -> bool:

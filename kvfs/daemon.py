@@ -26,6 +26,7 @@ from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
 from kvfs.passthrough import Passthrough
+from kvfs.prefetch import DEFAULT_BUDGET as DEFAULT_PREFETCH_BUDGET
 from kvfs.reaper import recover
 from kvfs.records import FsError
 from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
@@ -63,6 +64,7 @@ class MountConfig:
     passthrough: bool = True  # kernel passthrough where available (--passthrough auto)
     verify: VerifyMode = VerifyMode.ONCE  # ALWAYS: the daemon serves every byte
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
+    prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
 
 
 def check_mountpoint(path: Path) -> None:
@@ -128,6 +130,7 @@ class Daemon:
             o_direct=config.odirect == "kernel")
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                self.passthrough, self.session, config.verify,
+                               config.prefetch_bytes,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.files.verifier.load(self.volume.verified_path(self.shared))
@@ -174,7 +177,7 @@ class Daemon:
         if self._trio_token is None:
             raise RuntimeError("the mount is not serving yet")
         return trio.from_thread.run(snapshot, self.meta, self.space, self.stats,
-                                    self.passthrough, self.config.verify,
+                                    self.passthrough, self.config.verify, self.files.loads,
                                     trio_token=self._trio_token)
 
     async def serve(self) -> None:
@@ -185,6 +188,7 @@ class Daemon:
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
             nursery.start_soon(self.files.hasher.run)
+            nursery.start_soon(self.files.prefetcher.run)
             nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)
             self.cache.start(nursery)

@@ -166,7 +166,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.notifier = notifier
         self.passthrough = passthrough
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
-        self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode)
+        self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
+                                    files.loads)
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which data path the mount has."""
@@ -208,6 +209,7 @@ class KvfsOperations(pyfuse3.Operations):
             return negative_entry(self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.note_use(inode.ino)
+        self.files.prefetcher.looked_up(inode, ctx.pid)
         return self._entry(inode)  # it has a name: not a file unlinked while open
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:

@@ -24,7 +24,12 @@ COUNTERS = {
     "evictions": "Files evicted to stay within the capacity",
     "checksum_errors": "Reads refused because data failed its checksum",
     "handler_errors": "Requests answered EIO after an unexpected error",
+    "prefetch_bytes": "Bytes read and verified after lookups, ahead of their opens",
+    "prefetch_used_bytes": "Prefetched bytes a reader opened later",
+    "prefetch_wasted_bytes": "Prefetched bytes no reader opened within a minute",
 }
+LOADS = {"bytes": "Bytes opened for reading per model (loads)",
+         "seconds": "Seconds with a load of the model open"}
 
 
 class KvfsCollector(Collector):
@@ -40,6 +45,8 @@ class KvfsCollector(Collector):
         for field in ("files", "bytes"):
             yield GaugeMetricFamily(f"kvfs_model_{field}", f"{field} per model",
                                     labels=["model"])
+        for field, text in LOADS.items():
+            yield CounterMetricFamily(f"kvfs_model_load_{field}", text, labels=["model"])
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = self.snapshot()
@@ -53,6 +60,11 @@ class KvfsCollector(Collector):
             for model, usage in state["models"].items():
                 family.add_metric([model], usage[field])
             yield family
+        for field, text in LOADS.items():
+            counter = CounterMetricFamily(f"kvfs_model_load_{field}", text, labels=["model"])
+            for model, loads in state["loads"].items():
+                counter.add_metric([model], loads[field])
+            yield counter
 
 
 def serve_metrics(snapshot: Callable[[], dict], port: int, address: str) -> None:

@@ -22,6 +22,11 @@ class Stats:
     write_opens_daemon: int = 0  # writes served by kvfs
     verified_bytes: int = 0  # read to verify blobs before passing them through
     verifications_skipped: int = 0  # blobs verified before and still wholly in memory
+    verifications_joined: int = 0  # opens that waited for a check already under way
+    prefetch_bytes: int = 0  # read and verified ahead of their opens, after lookups
+    prefetch_used_bytes: int = 0  # of those, opened by a reader later
+    prefetch_wasted_bytes: int = 0  # of those, not opened within a minute
+    prefetch_over_budget: int = 0  # lookups not prefetched: the budget was spent
     hashed_after_close: int = 0  # kernel-written blobs whose sums were taken after the close
     handler_errors: int = 0  # unexpected exceptions answered with EIO
     volume_errors: int = 0  # errors of the volume underneath (EIO, ...) met by requests

@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kvfs.control import CONTROL_DIR, STATS_NAME
+from kvfs.loads import OTHER, break_even
 
 VERIFY_RULES = {  # which bytes can reach a reader unverified (README, "What kvfs guarantees")
     "once": "each file checked once on this host after it changed; the device is trusted after",
@@ -28,7 +29,8 @@ def _size(value: float) -> str:
     return format_size(value, binary=True)
 
 
-def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> Group:
+def render(state: dict, previous: dict | None = None, interval: float = 1.0,
+           break_evens: dict[str, float] | None = None) -> Group:
     lookups = state["lookup_hits"] + state["lookup_misses"]
     hit_ratio = f"{state['lookup_hits'] / lookups:.1%}" if lookups else "-"
     used_share = state["used_bytes"] / state["capacity_bytes"] if state["capacity_bytes"] else 0
@@ -49,6 +51,9 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> 
         ("stored (committed)", _size(state["bytes_committed"]), "bytes_committed"),
         ("  of which read by the daemon", _size(state["bytes_read"]), "bytes_read"),
         ("  of which written to the daemon", _size(state["bytes_written"]), "bytes_written"),
+        ("prefetched after lookups (used, wasted)",
+         f"{_size(state['prefetch_bytes'])} ({_size(state['prefetch_used_bytes'])}, "
+         f"{_size(state['prefetch_wasted_bytes'])})", "prefetch_bytes"),
         ("evictions", str(state["evictions"]), "evictions"),
         ("checksum errors", str(state["checksum_errors"]), "checksum_errors"),
     ]
@@ -63,7 +68,32 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0) -> 
     models.add_column("bytes", justify="right")
     for model, usage in sorted(state["models"].items()):
         models.add_row(model, str(usage["files"]), _size(usage["bytes"]))
-    return Group(summary, models)
+    return Group(summary, models, loads_table(state["loads"], break_evens or {}))
+
+
+def loads_table(loads: dict[str, dict[str, float]], chosen: dict[str, float]) -> Table:
+    """What loads achieved on this host against the rate above which reuse pays."""
+    table = Table(title="loads on this host: does reuse pay?", header_style="bold")
+    for column in ("model", "loaded", "busy", "GB/s", "break-even GB/s", "verdict"):
+        table.add_column(column, justify="left" if column in ("model", "verdict") else "right")
+    for model, load in sorted(loads.items()):
+        rate = load["bytes"] / load["seconds"] / 1e9 if load["seconds"] else None
+        threshold = break_even(model, chosen) if model != OTHER else None
+        table.add_row(model, _size(load["bytes"]), f"{load['seconds']:.1f} s",
+                      "-" if rate is None else f"{rate:.2f}",
+                      "-" if threshold is None else f"{threshold:.2f}",
+                      verdict(rate, threshold))
+    return table
+
+
+def verdict(rate: float | None, threshold: float | None) -> str:
+    if rate is None:
+        return "no loads yet"
+    if threshold is None:
+        return "unknown: set --break-even MODEL=GBPS"
+    if rate >= threshold:
+        return f"pays: loading is {rate / threshold:.1f}x the break-even"
+    return f"SLOWER THAN RECOMPUTING: loads at {rate / threshold:.0%} of the break-even"
 
 
 def _rate(state: dict, previous: dict, key: str, interval: float) -> str:
@@ -76,18 +106,20 @@ def _rate(state: dict, previous: dict, key: str, interval: float) -> str:
     return f"{_size(delta)}/s" if key.startswith("bytes") else f"{delta:.0f}/s"
 
 
-def show(mountpoint: Path, as_json: bool, watch: bool) -> None:
+def show(mountpoint: Path, as_json: bool, watch: bool,
+         break_evens: dict[str, float] | None = None) -> None:
     console = Console()
     if as_json:
         console.print_json(data=read_stats(mountpoint))
         return
     if not watch:
-        console.print(render(read_stats(mountpoint)))
+        console.print(render(read_stats(mountpoint), break_evens=break_evens))
         return
     previous = read_stats(mountpoint)
-    with Live(render(previous, previous), console=console, screen=False) as live:
+    with Live(render(previous, previous, break_evens=break_evens), console=console,
+              screen=False) as live:
         while True:
             time.sleep(1.0)
             state = read_stats(mountpoint)
-            live.update(render(state, previous))
+            live.update(render(state, previous, break_evens=break_evens))
             previous = state

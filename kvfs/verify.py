@@ -66,13 +66,17 @@ class Verifier:
         self._buffers = [aligned_buffer() for _ in range(VERIFY_THREADS)]  # reused
         self._free = trio.Semaphore(VERIFY_THREADS)
 
-    async def verify(self, fd: int, info: BlobInfo, direct: bool) -> None:
+    async def verify(self, fd: int, info: BlobInfo, direct: bool, force: bool = False) -> None:
         """Return once the blob may be passed to a reader (`direct`: an O_DIRECT one): every
-        block checked now, or before and still good by the mode's rule. ChecksumError."""
+        block checked now, or before and still good by the mode's rule (`force`: checked
+        now in any case, a prefetch). ChecksumError."""
+        if info.blob_id in self._running:
+            self.stats.verifications_joined += 1
         while (running := self._running.get(info.blob_id)) is not None:
-            await running.wait()  # readers opening one chunk at once read it once
+            await running.wait()  # readers opening one chunk at once (or a prefetch) read it once
         mark = _file_mark(fd)
-        if self._verified.get(info.blob_id) == mark and self._still_good(fd, info, direct):
+        if (not force and self._verified.get(info.blob_id) == mark
+                and self._still_good(fd, info, direct)):
             self.stats.verifications_skipped += 1
             return
         self._verified.pop(info.blob_id, None)
@@ -106,6 +110,10 @@ class Verifier:
             finally:
                 self._buffers.append(buffer)
         self.stats.verified_bytes += done
+
+    def checked(self, fd: int, blob_id: int) -> bool:
+        """Whether the blob was checked since its data file last changed."""
+        return self._verified.get(blob_id) == _file_mark(fd)
 
     def written(self, blob_id: int, fd: int) -> None:
         """kvfs just wrote and hashed this blob: its page cache holds what was checksummed."""

@@ -50,6 +50,7 @@ from bench_io import (
     list_directory,
     lmcache_lookup_and_load,
     lmcache_store,
+    look_up_then_load,
     make_empty_files,
     read_files,
     run_cleaning_up,
@@ -71,8 +72,12 @@ GROUPS = {"cold-read": "cold_read", "warm-read": "warm_and_hot_read",
           "concurrent-readers": "concurrent_readers", "daemon-memory": "daemon_memory",
           "write": "write", "lmcache-pattern": "lmcache_pattern", "fio": "fio",
           "lmcache-engines": "lmcache_engines", "vllm": "vllm_tier",
-          "small-files": "small_file_commits", "metadata": "metadata_and_scaling"}
-READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory"}
+          "small-files": "small_file_commits", "metadata": "metadata_and_scaling",
+          "cold-prompt": "cold_prompt"}
+READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory",
+                  "cold-prompt"}
+COLD_PROMPT = "cold prompt: lookups, then loads (another host wrote it)"
+PROMPT_GAPS = (0.2, 0.0)  # seconds between a prompt's lookups and its loads
 VLLM_SECTION = "vLLM fs tier (its own io.py, 16 threads, separate processes)"
 VLLM_CONFIGS = tuple((block_mib, buffered) for block_mib in (2, 32) for buffered in (False, True))
 VLLM_JOBS = 32  # jobs per store or load (requests of data_bytes / 32): all 16 threads busy
@@ -381,6 +386,75 @@ class Bench:
                     shutil.rmtree(directory)
                     self.progress(f"run {run + 1}: {target} {gbps / 1e9:.2f} GB/s")
 
+    def cold_start(self, target: str) -> None:
+        """Nothing of the data set in memory; on kvfs, nothing verified on this host either,
+        as when another host wrote it (the marks a clean unmount keeps are removed)."""
+        if target == "kvfs":
+            self.kvfs.unmount()
+            for marks in self.kvfs.data.glob("verified*"):
+                marks.unlink()
+            self.kvfs.mount()
+        drop_caches()
+
+    def cold_prompt(self) -> None:
+        """Prefetch from lookups (kvfs/prefetch.py): a prompt's chunks looked up, then loaded
+        after a gap or at once; and real LMCache engines, B retrieving A's prefix cold."""
+        with self.stage(COLD_PROMPT):
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    for gap in PROMPT_GAPS:
+                        self.cold_start(target)
+                        before = self.kvfs_stats() if target == "kvfs" else {}
+                        [span] = in_processes(look_up_then_load,
+                                              [(self.chunk_paths(target), gap)])
+                        self.record(prompt_metric(gap), "GB/s", target,
+                                    throughput([span]) / 1e9)
+                        if target == "kvfs":
+                            self.record_waste(before)
+                    self.cold_start(target)
+                    for command in (["du", "-s"], ["ls", "-lR"]):
+                        subprocess.run([*command, str(self.roots[target])], check=True,
+                                       capture_output=True)
+                    if target == "kvfs":
+                        after = self.kvfs_stats()
+                        self.record("chunk bytes read by ls -lR and du of a cold pool", "MiB",
+                                    "kvfs", after["verified_bytes"] / MIB, higher_is_better=False)
+                self.progress(f"run {run + 1} done")
+            if ENGINE.exists():
+                self.cold_engine_retrieve()
+
+    def cold_engine_retrieve(self) -> None:
+        chunks = self.plan.engine_chunks
+        for run in range(self.plan.engine_runs):
+            for target in in_turn(run):
+                directory = self.roots[target] / f"cold-engine-{run}"
+                directory.mkdir()
+                try:
+                    run_engine(["store"], directory, chunks)
+                    self.cold_start(target)
+                    loaded = run_engine(["lookup", "retrieve"], directory, chunks)
+                except (RuntimeError, KeyError, ValueError) as error:
+                    self.note(f"cold LMCache engine run failed on {target}: {error}")
+                    return
+                finally:
+                    shutil.rmtree(directory)
+                self.record("LMCache engine B retrieves A's prefix cold", "GB/s", target,
+                            loaded["retrieve"]["gbps"])
+            self.progress(f"engines, run {run + 1} done")
+
+    def kvfs_stats(self) -> dict[str, Any]:
+        return json.loads((self.kvfs.mountpoint / ".kvfs" / "stats").read_text())
+
+    def record_waste(self, before: dict[str, Any]) -> None:
+        """Prefetched bytes no reader opened (wasted ones count after a minute: here, the
+        prefetched bytes not yet opened at the end of the load)."""
+        after = self.kvfs_stats()
+        fetched = after["prefetch_bytes"] - before["prefetch_bytes"]
+        used = after["prefetch_used_bytes"] - before["prefetch_used_bytes"]
+        self.record("prefetched bytes never opened", "%", "kvfs",
+                    100 * (fetched - used) / fetched if fetched else 0.0,
+                    higher_is_better=False)
+
     def lmcache_pattern(self) -> None:
         with self.stage("LMCache fs-plugin pattern"):
             names = [kv_name(i).removesuffix(".data") for i in range(self.plan.chunk_files)]
@@ -599,6 +673,11 @@ class Bench:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def prompt_metric(gap: float) -> str:
+    return (f"loads {gap * 1e3:.0f} ms after the lookups (first open to last byte)" if gap
+            else "loads right after the lookups (first open to last byte)")
+
+
 def stat_latency_name(count: int) -> str:
     return f"stat latency (dentries cold), {count:,} files"
 
@@ -640,6 +719,10 @@ RATIO_TARGETS = (
      "store: write <key>.tmp + rename to <key>.data", 0.85),
     ("LMCache engine B retrieve", "real LMCache engines (fs plugin)", "engine B retrieve",
      0.9),
+    ("cold prompt, loads 200 ms after lookups", COLD_PROMPT, prompt_metric(0.2), 1.3),
+    ("cold prompt, loads right after lookups", COLD_PROMPT, prompt_metric(0.0), 0.95),
+    ("LMCache engine B retrieves cold", COLD_PROMPT, "LMCache engine B retrieves A's prefix cold",
+     1.0),
     ("stat of missing names", "metadata", "stat missing names", 0.5),
     *((f"vLLM tier {vllm_config(*config)}: {op}", VLLM_SECTION, f"{vllm_config(*config)}: {op}",
        minimum) for config in VLLM_CONFIGS

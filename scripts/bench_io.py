@@ -55,10 +55,9 @@ def _faulted_buffer(size: int) -> bytearray:
 # -- workers (run in child processes) ---------------------------------------------------------
 
 
-def read_files(paths: list[str], start_at: float) -> Span:
+def read_files(paths: list[str], start_at: float, buffer: bytearray | None = None) -> Span:
     """Read each file whole with one readinto into a preallocated buffer, like LMCache."""
-    buffer = _faulted_buffer(CHUNK_BYTES)
-    view = memoryview(buffer)
+    view = memoryview(buffer if buffer is not None else _faulted_buffer(CHUNK_BYTES))
     _wait_until(start_at)
     total = 0
     start = time.perf_counter()
@@ -110,6 +109,18 @@ def lmcache_lookup_and_load(directory: str, names: list[str], start_at: float
     _wait_until(start_at)
     lookup = stat_paths(paths, 0.0)
     return lookup, read_files(paths, 0.0)
+
+
+def look_up_then_load(paths: list[str], gap: float, start_at: float) -> Span:
+    """An engine's cold prompt: stat every chunk (the scheduler's lookup), wait `gap`
+    seconds (a scheduling step, a queue), then read them all; timed from the first open
+    to the last byte."""
+    buffer = _faulted_buffer(CHUNK_BYTES)
+    _wait_until(start_at)
+    for path in paths:
+        os.stat(path)
+    time.sleep(gap)
+    return read_files(paths, 0.0, buffer)
 
 
 def stat_paths(paths: list[str], start_at: float) -> Span:

@@ -55,7 +55,9 @@ from kvfs.files.state import (
     privileges_to_clear,
 )
 from kvfs.files.writing import WritingOps
+from kvfs.loads import OTHER
 from kvfs.meta import Inode
+from kvfs.models import model_of
 from kvfs.records import BlobInfo, FsError, fail
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class FileTable(WritingOps):
         self.space.note_use(inode.ino)
         if not writable and blob is not None:
             self.stats.bytes_opened += blob.size
+            self.prefetcher.opened(blob.blob_id)
+            handle.load_model = model_of(inode.name) or OTHER
+            self.loads.opened(handle.load_model, blob.size)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
         contended = bool(state.writers_waiting) or any(
@@ -328,6 +333,8 @@ class FileTable(WritingOps):
         """Let go of what a handle holds (its flush is done, or it never opened)."""
         self._discard_staged(handle)
         self.space.unstage(handle.reserved)
+        if handle.load_model is not None:
+            self.loads.closed(handle.load_model)
         if handle.fd is not None:
             os.close(handle.fd)
         state = self._open[handle.ino]

@@ -23,9 +23,11 @@ from kvfs.data import (
     StagedFile,
     allocated_bytes,
 )
+from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls
 from kvfs.passthrough import Passthrough
+from kvfs.prefetch import Prefetcher
 from kvfs.records import BlobInfo, fail
 from kvfs.sessions import Session
 from kvfs.space import Space
@@ -57,6 +59,7 @@ class Handle:
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
     changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
+    load_model: str | None = None  # a reader of committed content: whose load it is
 
     def own_size(self) -> tuple[int, int] | None:
         """The size and allocated bytes of what this writer has written and not yet
@@ -161,7 +164,8 @@ class FileState:
 
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
-                 verify: VerifyMode, on_attributes_changed: Callable[[int], None],
+                 verify: VerifyMode, prefetch_budget: int,
+                 on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine.shared)
@@ -170,6 +174,8 @@ class FileState:
         self.passthrough = passthrough
         self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)
+        self.prefetcher = Prefetcher(meta, data, self.verifier, session, stats, prefetch_budget)
+        self.loads = LoadMeter()
         self.stats = stats
         self.space = space
         self.session = session

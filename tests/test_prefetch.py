@@ -1,0 +1,142 @@
+"""Prefetch from lookups (kvfs/prefetch.py): an engine's burst of lookups of stored chunks
+starts reading and verifying them before it opens them; listings and single stats do not;
+an open joins a prefetch in flight; nothing unverified reaches a reader; the budget holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import KvfsMount, blob_files, drop_caches, resident_bytes, stats, wait_for
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
+KVFS = Path(sys.executable).parent / "kvfs"
+
+
+def chunk_name(number: int) -> str:
+    """An LMCache `fs` chunk of a Llama-3.1-8B prompt."""
+    return f"meta-llama-SEP-Llama-3.1-8B@1@0@{number:016x}@bfloat16.data"
+
+
+def store_prompt(volume: KvfsMount, chunks: int, *remount: str) -> list[Path]:
+    """Chunks stored, then the mount made cold: remounted, page cache dropped."""
+    directory = volume.mountpoint / "prompt"
+    directory.mkdir()
+    paths = [directory / chunk_name(n) for n in range(chunks)]
+    for path in paths:
+        path.write_bytes(os.urandom(CHUNK))
+    volume.remount(*remount)
+    drop_caches()
+    return [volume.mountpoint / "prompt" / path.name for path in paths]
+
+
+def look_up(paths: list[Path]) -> None:
+    """What LMCache's lookup does: one stat per chunk, in prompt order, in this process."""
+    for path in paths:
+        os.stat(path)
+
+
+def prefetched(volume: KvfsMount) -> int:
+    return stats(volume.mountpoint)["prefetch_bytes"]
+
+
+@pytest.fixture
+def cold(make_mount: Callable[..., KvfsMount]) -> KvfsMount:
+    return make_mount("--capacity", "2G")
+
+
+def test_lookups_prefetch_and_opens_pass_straight_through(cold: KvfsMount) -> None:
+    paths = store_prompt(cold, 6)
+    look_up(paths)
+    assert wait_for(lambda: prefetched(cold) == 6 * CHUNK), stats(cold.mountpoint)
+    blobs = blob_files(cold.data)
+    assert sum(resident_bytes(blob) for blob in blobs) == 6 * CHUNK  # in memory, all of it
+    before = stats(cold.mountpoint)
+    contents = [path.read_bytes() for path in paths]
+    after = stats(cold.mountpoint)
+    assert all(len(content) == CHUNK for content in contents)
+    assert after["verified_bytes"] == before["verified_bytes"]  # no second check at open
+    assert after["prefetch_used_bytes"] == 6 * CHUNK and after["prefetch_wasted_bytes"] == 0
+    assert after["loads"][next(iter(after["loads"]))]["bytes"] == 6 * CHUNK
+
+
+def test_an_open_joins_the_prefetch_in_flight(cold: KvfsMount) -> None:
+    paths = store_prompt(cold, 8)
+    look_up(paths)
+    for path in paths:  # at once: the later chunks are still being prefetched
+        assert len(path.read_bytes()) == CHUNK
+    shown = stats(cold.mountpoint)
+    assert shown["verifications_joined"] >= 1, shown
+    assert shown["verified_bytes"] == 8 * CHUNK  # each chunk read and checked once
+
+
+def test_a_single_stat_and_listings_read_nothing(cold: KvfsMount) -> None:
+    paths = store_prompt(cold, 4)
+    os.stat(paths[0])  # an operator's stat: one lookup, no burst
+    for command in (["ls", "-l", str(paths[0].parent)], ["du", "-s", str(cold.mountpoint)],
+                    ["find", str(cold.mountpoint), "-size", "+1M"],
+                    ["stat", str(paths[1])]):
+        subprocess.run(command, check=True, capture_output=True)
+    shown = stats(cold.mountpoint)
+    assert (shown["prefetch_bytes"], shown["verified_bytes"]) == (0, 0), shown
+    assert sum(resident_bytes(blob) for blob in blob_files(cold.data)) == 0
+
+
+def test_prefetch_stays_within_its_budget(make_mount: Callable[..., KvfsMount]) -> None:
+    volume = make_mount("--capacity", "2G", "--prefetch", "16M")
+    paths = store_prompt(volume, 6)
+    look_up(paths)
+    assert wait_for(lambda: stats(volume.mountpoint)["prefetch_over_budget"] >= 1)
+    assert wait_for(lambda: prefetched(volume) >= 2 * CHUNK)
+    assert prefetched(volume) < 6 * CHUNK  # two chunks fit at once: the burst came faster
+
+
+def test_prefetch_off(make_mount: Callable[..., KvfsMount]) -> None:
+    volume = make_mount("--capacity", "2G", "--prefetch", "0")
+    paths = store_prompt(volume, 4)
+    look_up(paths)
+    assert all(len(path.read_bytes()) == CHUNK for path in paths)
+    assert prefetched(volume) == 0
+
+
+def test_a_chunk_damaged_after_its_prefetch_still_fails_its_open(cold: KvfsMount) -> None:
+    paths = store_prompt(cold, 3)
+    look_up(paths)
+    assert wait_for(lambda: prefetched(cold) == 3 * CHUNK)
+    (victim,) = [blob for blob in blob_files(cold.data) if blob.stat().st_size == CHUNK][:1]
+    with open(victim, "r+b") as damaged:  # behind kvfs's back, after the prefetch checked it
+        damaged.seek(CHUNK // 2)
+        byte = damaged.read(1)
+        damaged.seek(CHUNK // 2)
+        damaged.write(bytes([byte[0] ^ 1]))
+    failures = 0
+    for path in paths:
+        try:
+            path.read_bytes()
+        except OSError as error:
+            assert error.errno == errno.EIO
+            failures += 1
+    assert failures == 1
+    assert stats(cold.mountpoint)["checksum_errors"] >= 1
+
+
+def test_stat_shows_whether_loads_pay(cold: KvfsMount) -> None:
+    paths = store_prompt(cold, 2)
+    for path in paths:
+        path.read_bytes()
+    shown = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even",
+                            "Llama-3.1-8B=100000"], capture_output=True, text=True, check=True)
+    assert "SLOWER THAN RECOMPUTING" in shown.stdout, shown.stdout
+    shown = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even",
+                            "Llama-3.1-8B=0.0001"], capture_output=True, text=True, check=True)
+    assert "pays" in shown.stdout and "SLOWER" not in shown.stdout, shown.stdout
+    bad = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even", "llama"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "MODEL=GBPS" in bad.stderr
