@@ -68,14 +68,14 @@ class Verifier:
 
     async def verify(self, fd: int, info: BlobInfo, direct: bool, force: bool = False) -> None:
         """Return once the blob may be passed to a reader (`direct`: an O_DIRECT one): every
-        block checked now, or before and still good by the mode's rule (`force`: checked
-        now in any case, a prefetch). ChecksumError."""
-        if info.blob_id in self._running:
-            self.stats.verifications_joined += 1
+        block checked now, or before and still good by the mode's rule (`force`, a prefetch:
+        checked now unless a check just ended). ChecksumError."""
+        joined = info.blob_id in self._running
+        self.stats.verifications_joined += joined
         while (running := self._running.get(info.blob_id)) is not None:
             await running.wait()  # readers opening one chunk at once (or a prefetch) read it once
         mark = _file_mark(fd)
-        if (not force and self._verified.get(info.blob_id) == mark
+        if ((joined or not force) and self._verified.get(info.blob_id) == mark
                 and self._still_good(fd, info, direct)):
             self.stats.verifications_skipped += 1
             return
