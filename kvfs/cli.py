@@ -31,13 +31,21 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def size(text: str) -> int:
-    """512M, 10G, 2T (binary units, like df -h)."""
+def size_or_zero(text: str) -> int:
+    """512M, 10G, 2T (binary units, like df -h), or 0."""
     try:
         value = humanfriendly.parse_size(text, binary=True)
     except humanfriendly.InvalidSize as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    if value <= 0:
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
+    return value
+
+
+def size(text: str) -> int:
+    """512M, 10G, 2T: a positive size."""
+    value = size_or_zero(text)
+    if value == 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return value
 
@@ -84,7 +92,7 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel: O_DIRECT opens pass through too, with the volume's "
                              "alignment rules, as on a plain directory; daemon: kvfs serves "
                              "them, any alignment, at Python speed (default %(default)s)")
-    parser.add_argument("--prefetch", type=size, default=MountConfig.prefetch_bytes,
+    parser.add_argument("--prefetch", type=size_or_zero, default=MountConfig.prefetch_bytes,
                         metavar="SIZE",
                         help="read and verify chunks in the background when an engine looks "
                              "them up, before it opens them: at most SIZE queued and in flight; "

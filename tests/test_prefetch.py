@@ -127,16 +127,22 @@ def test_a_chunk_damaged_after_its_prefetch_still_fails_its_open(cold: KvfsMount
     assert stats(cold.mountpoint)["checksum_errors"] >= 1
 
 
+def kvfs_stat(volume: KvfsMount, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KVFS), "stat", str(volume.mountpoint), *options],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "240"})
+
+
 def test_stat_shows_whether_loads_pay(cold: KvfsMount) -> None:
     paths = store_prompt(cold, 2)
     for path in paths:
         path.read_bytes()
-    shown = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even",
-                            "Llama-3.1-8B=100000"], capture_output=True, text=True, check=True)
-    assert "SLOWER THAN RECOMPUTING" in shown.stdout, shown.stdout
-    shown = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even",
-                            "Llama-3.1-8B=0.0001"], capture_output=True, text=True, check=True)
-    assert "pays" in shown.stdout and "SLOWER" not in shown.stdout, shown.stdout
-    bad = subprocess.run([str(KVFS), "stat", str(cold.mountpoint), "--break-even", "llama"],
-                         capture_output=True, text=True)
+    loads = stats(cold.mountpoint)["loads"]["meta-llama/Llama-3.1-8B"]
+    assert loads["bytes"] == 2 * CHUNK and loads["seconds"] > 0
+    slow = kvfs_stat(cold, "--break-even", "Llama-3.1-8B=100000")
+    assert slow.returncode == 0 and "SLOWER THAN RECOMPUTING" in slow.stdout, slow.stdout
+    fast = kvfs_stat(cold, "--break-even", "meta-llama/Llama-3.1-8B=0.0001")
+    assert "pays: loading is" in fast.stdout and "SLOWER" not in fast.stdout, fast.stdout
+    default = kvfs_stat(cold)  # the README's table: Llama-3.1-8B pays above 4.5 GB/s
+    assert "4.50" in default.stdout, default.stdout
+    bad = kvfs_stat(cold, "--break-even", "llama")
     assert bad.returncode != 0 and "MODEL=GBPS" in bad.stderr
