@@ -7,6 +7,9 @@ a stored chunk that is not wholly in memory queues it; a few chunks at a time, i
 (the order the prompt is read), are read and verified in the background by the same check an
 open makes (`Verifier.verify(force=True)`), which leaves them in the page cache. An open that
 arrives meanwhile joins the check in flight; one that finds it done passes straight through.
+Where most readers are O_DIRECT (vLLM's tier), the page cache would not serve them: the
+prefetch is the check alone, read with O_DIRECT, so that their opens need none (`--verify
+once`; under `--verify open` every O_DIRECT open checks, and nothing is prefetched).
 No byte reaches a reader unverified: a blob whose data file changed after its prefetch is
 checked again at open by the usual rule.
 
@@ -38,7 +41,7 @@ from kvfs.offloop import MetaCalls
 from kvfs.passthrough import wholly_resident
 from kvfs.sessions import Session
 from kvfs.stats import Stats
-from kvfs.verify import Verifier
+from kvfs.verify import Verifier, VerifyMode
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ MIN_BYTES = 1 << 20
 BURST_SECONDS = 1.0
 WASTE_SECONDS = 60.0
 PROCESSES_KEPT = 4096  # threads -> processes remembered (lookups come from a few engines)
+DIRECT_WEIGHT = 0.25  # weight of each read open in the share of O_DIRECT readers
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,7 @@ class Prefetcher:
         self._last_lookup: dict[int, tuple[float, Wanted | None]] = {}  # process -> last hit
         self._processes: OrderedDict[int, int] = OrderedDict()  # thread -> process
         self._unopened: OrderedDict[int, tuple[int, float]] = OrderedDict()  # blob -> bytes, when
+        self._direct_readers = 0.0  # share of recent read opens that were O_DIRECT
 
     # -- on the request path ---------------------------------------------------------------
 
@@ -96,8 +101,10 @@ class Prefetcher:
             self._enqueue(last[1])
         self._enqueue(wanted)
 
-    def opened(self, blob_id: int) -> None:
-        """A reader opened `blob_id`: what was prefetched of it was used."""
+    def opened(self, blob_id: int, direct: bool) -> None:
+        """A reader (`direct`: an O_DIRECT one) opened `blob_id`: what was prefetched of it was
+        used."""
+        self._direct_readers = self._direct_readers * (1 - DIRECT_WEIGHT) + DIRECT_WEIGHT * direct
         found = self._unopened.pop(blob_id, None)
         if found is not None:
             self.stats.prefetch_used_bytes += found[0]
@@ -180,15 +187,21 @@ class Prefetcher:
         inode, blob = await self.meta_call(self.meta.content, wanted.ino)
         if blob is None or blob.blob_id != wanted.blob_id or blob.pending:
             return  # replaced, or its sums are not taken yet: the open does it all
+        # Readers mostly O_DIRECT (vLLM's tier): the head start is the check alone, read with
+        # O_DIRECT too; there is none where each O_DIRECT open checks anyway (--verify open).
+        direct = self._direct_readers > 0.5
+        if direct and self.verifier.mode is VerifyMode.OPEN:
+            return
         await self.session.hold(blob.blob_id)
         try:
             fd = self.data.open_blob(blob.blob_id)
             try:
-                if wholly_resident(fd, blob.size) and self.verifier.checked(fd, blob.blob_id):
+                if ((direct or wholly_resident(fd, blob.size))
+                        and self.verifier.checked(fd, blob.blob_id)):
                     return
                 self._unopened[blob.blob_id] = (blob.size, time.monotonic())  # (until opened)
                 try:
-                    await self.verifier.verify(fd, blob, direct=False, force=True)
+                    await self.verifier.verify(fd, blob, direct=direct, force=True)
                 except BaseException:
                     self._unopened.pop(blob.blob_id, None)
                     raise

@@ -53,7 +53,8 @@ def errno_of(call, *args) -> int:
 
 @pytest.fixture
 def passthrough(make_mount) -> KvfsMount:
-    kvfs = make_mount("--capacity", "1G")
+    # The tests here count checks and opens exactly: no prefetch (tests/test_prefetch.py).
+    kvfs = make_mount("--capacity", "1G", "--prefetch", "0")
     if stats(kvfs.mountpoint)["data_path"] != "passthrough":
         # The data path is decided at the kernel's INIT: look once a file was opened.
         (kvfs.mountpoint / "probe").write_bytes(b"p")
@@ -120,7 +121,7 @@ def test_verify_open_checks_every_open_of_a_file_not_wholly_in_memory(
     """--verify open: a buffered open skips the check only while the checked pages are all
     in memory; an O_DIRECT reader reads the device, so each of its opens checks first (with
     O_DIRECT reads, leaving the page cache alone)."""
-    kvfs = make_mount("--capacity", "1G", "--verify", "open")
+    kvfs = make_mount("--capacity", "1G", "--verify", "open", "--prefetch", "0")  # (as above)
     root = kvfs.mountpoint
     payloads = write_chunks(root)
     total = sum(map(len, payloads.values()))

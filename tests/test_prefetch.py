@@ -6,9 +6,11 @@ an open joins a prefetch in flight; nothing unverified reaches a reader; the bud
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -146,3 +148,34 @@ def test_stat_shows_whether_loads_pay(cold: KvfsMount) -> None:
     assert "4.50" in default.stdout, default.stdout
     bad = kvfs_stat(cold, "--break-even", "llama")
     assert bad.returncode != 0 and "MODEL=GBPS" in bad.stderr
+
+
+def read_direct(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buffer = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT wants
+        assert os.readv(fd, [buffer]) == CHUNK
+        return bytes(buffer)
+    finally:
+        os.close(fd)
+
+
+def test_o_direct_readers_get_the_check_ahead_and_no_page_cache(cold: KvfsMount) -> None:
+    """Readers that use O_DIRECT (vLLM's tier) do not read the page cache: their prefetch is
+    the check alone, with O_DIRECT reads, so that their opens need none."""
+    paths = store_prompt(cold, 6)
+    contents = {path: path.read_bytes() for path in paths}
+    cold.kill9()  # nothing checked on this host any more: as if another host wrote them
+    cold.mount()
+    drop_caches()
+    for path in paths[:3]:  # readers seen to be O_DIRECT (lookups apart: no burst)
+        assert read_direct(path) == contents[path]
+        time.sleep(1.2)
+    before = stats(cold.mountpoint)
+    look_up(paths[3:])
+    assert wait_for(lambda: prefetched(cold) == 3 * CHUNK), stats(cold.mountpoint)
+    assert sum(resident_bytes(blob) for blob in blob_files(cold.data)) == 0
+    assert all(read_direct(path) == contents[path] for path in paths[3:])
+    after = stats(cold.mountpoint)
+    assert after["verified_bytes"] - before["verified_bytes"] == 3 * CHUNK  # by the prefetch
+    assert after["verifications_skipped"] - before["verifications_skipped"] == 3
