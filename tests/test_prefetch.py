@@ -27,14 +27,14 @@ def chunk_name(number: int) -> str:
     return f"meta-llama-SEP-Llama-3.1-8B@1@0@{number:016x}@bfloat16.data"
 
 
-def store_prompt(volume: KvfsMount, chunks: int, *remount: str) -> list[Path]:
+def store_prompt(volume: KvfsMount, chunks: int, size: int = CHUNK) -> list[Path]:
     """Chunks stored, then the mount made cold: remounted, page cache dropped."""
     directory = volume.mountpoint / "prompt"
     directory.mkdir()
     paths = [directory / chunk_name(n) for n in range(chunks)]
     for path in paths:
-        path.write_bytes(os.urandom(CHUNK))
-    volume.remount(*remount)
+        path.write_bytes(os.urandom(size))
+    volume.remount()
     drop_caches()
     return [volume.mountpoint / "prompt" / path.name for path in paths]
 
@@ -70,13 +70,20 @@ def test_lookups_prefetch_and_opens_pass_straight_through(cold: KvfsMount) -> No
 
 
 def test_an_open_joins_the_prefetch_in_flight(cold: KvfsMount) -> None:
-    paths = store_prompt(cold, 8)
+    """A chunk opened while its prefetch is under way (or prefetched while its open checks
+    it) is read and checked once: whichever comes second waits for the other."""
+    big = 16 * CHUNK  # long enough to check (cold) that the open surely meets the prefetch
+    paths = store_prompt(cold, 2, size=big)
+    cold.kill9()  # nothing checked on this host: the open must check too (as another host's)
+    cold.mount()
+    drop_caches()
     look_up(paths)
-    for path in paths:  # at once: the later chunks are still being prefetched
-        assert len(path.read_bytes()) == CHUNK
+    assert len(paths[1].read_bytes()) == big  # at once: its check is in flight
+    assert wait_for(lambda: stats(cold.mountpoint)["verified_bytes"] >= 2 * big)
     shown = stats(cold.mountpoint)
     assert shown["verifications_joined"] >= 1, shown
-    assert shown["verified_bytes"] == 8 * CHUNK  # each chunk read and checked once
+    assert shown["verified_bytes"] == 2 * big, shown  # each chunk read and checked once
+    assert len(paths[0].read_bytes()) == big
 
 
 def test_a_single_stat_and_listings_read_nothing(cold: KvfsMount) -> None:
