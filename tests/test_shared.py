@@ -62,9 +62,11 @@ def tree(root: Path) -> dict[str, str]:
 
 def assert_pool_counters_exact(host: KvfsMount) -> None:
     """The pool's counters, as `host` shows them, equal a recount of its metadata, once every
-    host's last report of its staged bytes is in (they report every TTL/4)."""
-    wait_for(lambda: settled(host), 5)
-    assert_counters_exact(host.mountpoint, host.data)
+    host's last report of its staged bytes is in (they report every TTL/4) and the evictions
+    under way are done. Reads of Redis are not one snapshot, so a recount beside an eviction
+    may see half of it: a drift shows as counters that never equal a recount."""
+    if not wait_for(lambda: settled(host), 10):
+        assert_counters_exact(host.mountpoint, host.data)  # fails, showing both
 
 
 def settled(host: KvfsMount) -> bool:
