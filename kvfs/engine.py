@@ -364,10 +364,11 @@ class LmdbEngine:
     def _view(self, writes: Writes | None) -> tuple[_LayeredTxn, lmdb.Transaction[bytes]]:
         """LMDB and the layers it does not hold yet, as of now (the caller holds the lock)."""
         lmdb_txn = self.env.begin()
-        raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
-        applied = int(raw) if raw else 0
-        layers = [layer for layer in (self._committing, self._active)
-                  if layer is not None and layer.last_seq > applied]
+        layers = [self._active]
+        if self._committing is not None:  # LMDB may hold it already: then it is not read twice
+            raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
+            if self._committing.last_seq > (int(raw) if raw else 0):
+                layers.insert(0, self._committing)
         return _LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes), lmdb_txn
 
     def snapshot(self) -> _LayeredSnapshot:

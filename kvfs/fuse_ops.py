@@ -209,7 +209,7 @@ class KvfsOperations(pyfuse3.Operations):
             return negative_entry(self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.note_use(inode.ino)
-        self.files.prefetcher.looked_up(inode, ctx.pid)
+        self.files.prefetcher.looked_up(inode, caller(ctx))
         return self._entry(inode)  # it has a name: not a file unlinked while open
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:

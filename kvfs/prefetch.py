@@ -32,6 +32,7 @@ import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -42,6 +43,9 @@ from kvfs.passthrough import wholly_resident
 from kvfs.sessions import Session
 from kvfs.stats import Stats
 from kvfs.verify import Verifier, VerifyMode
+
+if TYPE_CHECKING:  # (kvfs/files/state.py builds the prefetcher: no import at run time)
+    from kvfs.files.state import Caller
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +87,12 @@ class Prefetcher:
 
     # -- on the request path ---------------------------------------------------------------
 
-    def looked_up(self, inode: Inode, thread: int) -> None:
+    def looked_up(self, inode: Inode, caller: Caller) -> None:
         """A lookup found `inode` by name: queue it if it is part of a burst of lookups of
         stored chunks by one process."""
         if not self.budget or inode.is_dir or not inode.blob or inode.size < MIN_BYTES:
             return
-        process = self._process(thread)
+        process = self._process(caller)
         now = time.monotonic()
         wanted = Wanted(inode.ino, inode.blob, inode.size)
         last = self._last_lookup.pop(process, None)
@@ -121,20 +125,11 @@ class Prefetcher:
         self._committed_bytes += wanted.size
         self._work.set()
 
-    def _process(self, thread: int) -> int:
-        """The thread group of a thread (FUSE names the calling thread)."""
-        process = self._processes.get(thread)
+    def _process(self, caller: Caller) -> int:
+        """The caller's process (FUSE names the calling thread), read once per thread."""
+        process = self._processes.get(caller.pid)
         if process is None:
-            process = thread
-            try:
-                with open(f"/proc/{thread}/status") as status:
-                    for line in status:
-                        if line.startswith("Tgid:"):
-                            process = int(line.split()[1])
-                            break
-            except (OSError, ValueError):
-                pass
-            self._processes[thread] = process
+            process = self._processes[caller.pid] = caller.process()
             if len(self._processes) > PROCESSES_KEPT:
                 self._processes.popitem(last=False)
         return process
