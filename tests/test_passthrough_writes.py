@@ -333,6 +333,8 @@ def test_sums_still_pending_at_a_crash(roomy: KvfsMount, rebooted: bool) -> None
     for name, payload in payloads.items():
         (root / name).write_bytes(payload)
     inos = {name: (root / name).stat().st_ino for name in payloads}
+    # All four have their sums before the crash; the test then takes two of them back.
+    assert wait_for(lambda: stats(root)["hashed_after_close"] == len(payloads)), stats(root)
     roomy.kill9()
     # What the killed daemon's change log holds goes into LMDB first, as the next mount
     # would do it: the crash state is then made by editing LMDB itself.

@@ -59,7 +59,9 @@ def test_lookups_prefetch_and_opens_pass_straight_through(cold: KvfsMount) -> No
     look_up(paths)
     assert wait_for(lambda: prefetched(cold) == 6 * CHUNK), stats(cold.mountpoint)
     blobs = blob_files(cold.data)
-    assert sum(resident_bytes(blob) for blob in blobs) == 6 * CHUNK  # in memory, all of it
+    # In memory; a page or two may already be reclaimed where the page cache is tight (a CI
+    # container's memory limit counts it), so the mark is most of it, not every page.
+    assert sum(resident_bytes(blob) for blob in blobs) >= 0.9 * 6 * CHUNK
     before = stats(cold.mountpoint)
     contents = [path.read_bytes() for path in paths]
     after = stats(cold.mountpoint)
