@@ -21,7 +21,7 @@ from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
 from kvfs.files import FileTable
-from kvfs.fuse_ops import ONE_HOST_CACHING, SHARED_CACHING, KernelNotifier, KvfsOperations
+from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
@@ -138,8 +138,7 @@ class Daemon:
             self.files.hasher.want(blob_id)
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier, self.passthrough,
-                                         SHARED_CACHING if self.shared else ONE_HOST_CACHING)
+                                         self.notifier, self.passthrough)
 
     def _staged(self) -> int:
         return self.space.staged
@@ -163,6 +162,10 @@ class Daemon:
             raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
         log.info("mounted %s at %s (capacity %d bytes)", self.config.data,
                  self.config.mountpoint, self.meta.capacity())
+        # Now that there is a kernel session to tell: other hosts' changes invalidate its
+        # caches of names and attributes.
+        self.meta.watch_others(self.notifier.others_changed_name,
+                               self.notifier.attributes_changed)
         if self.config.metrics_port is not None:
             try:
                 serve_metrics(self._snapshot, self.config.metrics_port,
@@ -207,8 +210,8 @@ class Daemon:
                           self.config.max_background)
 
     def close(self) -> None:
+        self.notifier.stop()  # before the session it notifies goes
         pyfuse3.close(unmount=True)
-        self.notifier.stop()
         try:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()

@@ -56,6 +56,12 @@ class Txn(Protocol):
         """Several records at once (one round trip on a shared engine)."""
         ...
 
+    def get_through(self, family: str, key: bytes, to_family: str
+                    ) -> tuple[bytes | None, bytes | None]:
+        """A record and the `to_family` record named by its value's first 8 bytes (a name's
+        entry and its inode: one round trip on a shared engine)."""
+        ...
+
     def put(self, family: str, key: bytes, value: bytes) -> None: ...
 
     def delete(self, family: str, key: bytes) -> bool: ...
@@ -114,6 +120,15 @@ class Engine(Protocol):
         """Wait until every change answered so far is durable (survives a power loss)."""
         ...
 
+    def watch(self, changed: Callable[[str, bytes], None]) -> None:
+        """Call `changed(family, key)`, from a thread of the engine's, for each `dentry` and
+        `inode` record other hosts change from now on (a shared engine)."""
+        ...
+
+    def watching(self) -> bool:
+        """Whether other hosts' changes reach `watch`'s callback now (none are missed)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -166,6 +181,13 @@ def _apply(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], writes:
                 txn.put(key, _COUNT.pack((_COUNT.unpack(raw)[0] if raw else 0) + delta), db=db)
 
 
+def get_through(txn: Txn, family: str, key: bytes, to_family: str
+                ) -> tuple[bytes | None, bytes | None]:
+    """`Txn.get_through` as two reads (where a read costs no round trip)."""
+    record = txn.get(family, key)
+    return record, None if record is None else txn.get(to_family, bytes(record[:8]))
+
+
 class _LayeredTxn:
     """A snapshot of LMDB under the layers not yet in it; with `writes`, a change that
     collects its writes there (read first)."""
@@ -212,6 +234,10 @@ class _LayeredTxn:
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
         return [self.get(family, key) for key in keys]
+
+    def get_through(self, family: str, key: bytes, to_family: str
+                    ) -> tuple[bytes | None, bytes | None]:
+        return get_through(self, family, key, to_family)
 
     def _write(self, family: str, key: bytes) -> Pending:
         if self.writes is None:
@@ -425,6 +451,12 @@ class LmdbEngine:
             while self._applied() < target and self._committer is not None \
                     and self._committer.is_alive():
                 self._moved.wait(timeout=RETRY_SECONDS)
+
+    def watch(self, changed: Callable[[str, bytes], None]) -> None:
+        """One host: nothing changes the metadata behind this host's back."""
+
+    def watching(self) -> bool:
+        return True
 
     def close(self) -> None:
         if self._committer is not None:

@@ -16,6 +16,7 @@ import os
 import queue
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,16 @@ class KernelCaching:
 # So misses can be cached long. Hits are cached briefly so that LMCache's lookups still reach
 # the daemon and keep the file's recency current for eviction.
 ONE_HOST_CACHING = KernelCaching(entry=1.0, negative=30.0)
-# A shared pool: other hosts change the namespace behind this kernel's back. Misses are never
-# cached and hits only for 50 ms, so a chunk committed on one host is found by a lookup on
-# any other at once, and a name removed or replaced there is gone here within 50 ms.
-SHARED_CACHING = KernelCaching(entry=0.05, negative=0.0)
+# A shared pool: other hosts change the namespace behind this kernel's back, and the engine
+# pushes each of their changes here (`KernelNotifier.others_changed_name`), within
+# milliseconds. So the kernel caches as on one host, misses a little less long: a push lost
+# in a dropped connection leaves a stale miss (a recompute) for at most that long.
+SHARED_CACHING = KernelCaching(entry=1.0, negative=5.0)
+# ... and while the pushes do not arrive (the engine's subscription is down): misses are not
+# cached and hits for 50 ms, so a chunk committed on one host is found on any other at once.
+SHARED_UNWATCHED_CACHING = KernelCaching(entry=0.05, negative=0.0)
+CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
+CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 READDIR_PAGE = 256  # entries read from the metadata store at once
@@ -97,6 +104,7 @@ class KernelNotifier:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._changed_names: dict[tuple[int, bytes], float] = {}  # -> when it was told
         self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
         self._thread.start()
 
@@ -114,6 +122,20 @@ class KernelNotifier:
         for parent, name in removed.names:
             self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name,
                                               removed.inode.ino))
+
+    def others_changed_name(self, parent: int, name: bytes) -> None:
+        """Another host added, removed or replaced a name (from the engine's thread)."""
+        now = time.monotonic()
+        if len(self._changed_names) >= CHANGED_NAMES_KEPT:
+            self._changed_names = {place: told for place, told in self._changed_names.items()
+                                   if told > now - CHANGED_NAME_SECONDS}
+        self._changed_names[parent, name] = now
+        self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name))
+
+    def changed_since(self, parent: int, name: bytes, moment: float) -> bool:
+        """Whether another host changed the name since `moment`: a lookup that began before
+        may answer what its invalidation already missed, and must not be cached."""
+        return self._changed_names.get((parent, name), 0.0) >= moment
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -154,10 +176,8 @@ def negative_entry(timeout: float) -> EntryAttributes:
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier, passthrough: Passthrough,
-                 caching: KernelCaching = ONE_HOST_CACHING) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
         super().__init__()
-        self.caching = caching
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine.shared)
         self.files = files
@@ -168,6 +188,12 @@ class KvfsOperations(pyfuse3.Operations):
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
+
+    @property
+    def caching(self) -> KernelCaching:
+        if not self.meta.engine.shared:
+            return ONE_HOST_CACHING
+        return SHARED_CACHING if self.meta.engine.watching() else SHARED_UNWATCHED_CACHING
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which data path the mount has."""
@@ -203,14 +229,19 @@ class KvfsOperations(pyfuse3.Operations):
         control = self.control.lookup(parent_inode, name)
         if control is not None:
             return self._entry(control)
+        started = time.monotonic()
         inode = await self.meta_call(self.meta.lookup, parent_inode, name)
+        racing = self.notifier.changed_since(parent_inode, name, started)
         if inode is None:
             self.stats.lookup_misses += 1
-            return negative_entry(self.caching.negative)
+            return negative_entry(0.0 if racing else self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.note_use(inode.ino)
         self.files.prefetcher.looked_up(inode, caller(ctx))
-        return self._entry(inode)  # it has a name: not a file unlinked while open
+        entry = self._entry(inode)  # it has a name: not a file unlinked while open
+        if racing:
+            entry.entry_timeout = entry.attr_timeout = 0.0
+        return entry
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
         return self._entry(await self._attributes(inode))

@@ -27,6 +27,12 @@ Counters are added with HINCRBY inside the MULTI and read by nobody inside a cha
 the hot counters (used bytes, files, per-model usage) never make two changes conflict. Id
 stocks are taken with HINCRBY.
 
+A change that writes `dentry` or `inode` records (what a kernel caches: names and attributes)
+publishes their keys on `{kvfs}:changes` inside its MULTI, tagged with the writing engine's
+id; every mount subscribes (`watch`) and invalidates those names and attributes in its own
+kernel, so that kernels may cache them for seconds and still see other hosts' changes within
+milliseconds. A lookup reads a name's entry and its inode in one round trip (a script).
+
 When Redis cannot be reached, a request fails with EIO after two attempts (each at most 1 s to
 connect, 2 s to answer), and requests fail at once for the next half second; the pool of
 connections reconnects when Redis is back.
@@ -37,7 +43,9 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
+import os
 import random
+import struct
 import threading
 import time
 import zlib
@@ -49,6 +57,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from kvfs.engine import get_through
 from kvfs.records import fail
 
 log = logging.getLogger(__name__)
@@ -68,6 +77,18 @@ ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
+CHANGES_CHANNEL = PREFIX + b"changes"
+ANNOUNCED = {"dentry": b"d", "inode": b"i"}  # families kernels cache -> code in a message
+_FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
+_KEY_LENGTH = struct.Struct(">H")
+ENGINE_ID_BYTES = 8
+WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
+# A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
+LOOKUP_SCRIPT = """
+local entry = redis.call('GET', KEYS[1])
+if not entry then return {false, false} end
+return {entry, redis.call('GET', ARGV[1] .. string.sub(entry, 1, 8))}
+"""
 
 
 # The client is made without decode_responses (redis-py's default: False), so every reply
@@ -119,6 +140,24 @@ def _counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
 
 
+def announcement(engine_id: bytes, changed: list[tuple[str, bytes]]) -> bytes:
+    """The message that tells other hosts which records a change wrote."""
+    return engine_id + b"".join(ANNOUNCED[family] + _KEY_LENGTH.pack(len(key)) + key
+                                for family, key in changed)
+
+
+def announced(message: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """(engine id, [(family, key)]) of an announcement."""
+    changed, at = [], ENGINE_ID_BYTES
+    while at < len(message):
+        family = _FAMILY_OF_CODE[message[at:at + 1]]
+        (length,) = _KEY_LENGTH.unpack_from(message, at + 1)
+        at += 1 + _KEY_LENGTH.size
+        changed.append((family, message[at:at + length]))
+        at += length
+    return message[:ENGINE_ID_BYTES], changed
+
+
 class _Reader:
     """Reads straight from Redis: what a snapshot is for this engine (no isolation; the
     metadata store rereads where two records must agree)."""
@@ -141,6 +180,13 @@ class _Reader:
             return []
         return _replies(self.engine.call(self.client.mget,
                                          [_record_key(family, key) for key in keys]))
+
+    def get_through(self, family: str, key: bytes, to_family: str
+                    ) -> tuple[bytes | None, bytes | None]:
+        record, referred = self.engine.call(self.engine.lookup_script,
+                                            [_record_key(family, key)],
+                                            [_record_key(to_family, b"")])
+        return record, referred
 
     def count(self, family: str, key: bytes) -> int:
         raw = self.engine.call(self.client.hget, _counter_key(family), key)
@@ -202,6 +248,10 @@ class _Change:
             self.read.update(zip(unread, _replies(self.pipe.mget(unread)), strict=True))
         return [self.writes[family, key] if (family, key) in self.writes
                 else self.read[records[key]] for key in keys]
+
+    def get_through(self, family: str, key: bytes, to_family: str
+                    ) -> tuple[bytes | None, bytes | None]:
+        return get_through(self, family, key, to_family)
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)
@@ -271,6 +321,9 @@ class _Change:
                     pipe.zadd(set_key, {key: 0})
         for family, key, delta in self.adds:
             pipe.hincrby(_counter_key(family), key, delta)
+        changed = [(family, key) for family, key in self.writes if family in ANNOUNCED]
+        if changed:
+            pipe.publish(CHANGES_CHANNEL, announcement(self.engine.id, changed))
         pipe.execute()
 
 
@@ -291,6 +344,11 @@ class RedisEngine:
         self.conflicts = 0
         self._room = (0.0, True)
         self._lock = threading.Lock()
+        self.id = os.urandom(ENGINE_ID_BYTES)
+        self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
+        self._closing = threading.Event()
+        self._subscribed = False
+        self._watcher: threading.Thread | None = None
         self.call(self.client.ping)
 
     # -- errors --------------------------------------------------------------------------
@@ -375,7 +433,56 @@ class RedisEngine:
     def sync(self) -> None:
         """Redis persists by its own settings (the README says which kvfs needs)."""
 
+    def watch(self, changed: Callable[[str, bytes], None]) -> None:
+        self._watcher = threading.Thread(target=self._listen, args=(changed,),
+                                         name="kvfs-watch", daemon=True)
+        self._watcher.start()
+
+    def watching(self) -> bool:
+        return self._subscribed
+
+    def _listen(self, changed: Callable[[str, bytes], None]) -> None:
+        """Subscribe to other hosts' announcements, again after each lost connection (what
+        was published meanwhile is missed: `watching` says so until subscribed again)."""
+        while not self._closing.is_set():
+            pubsub = self.client.pubsub()
+            try:
+                pubsub.subscribe(CHANGES_CHANNEL)
+                while not self._closing.is_set():
+                    message = pubsub.get_message(timeout=WATCH_POLL_SECONDS)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":  # also redis-py's own resubscribe
+                        self._subscribed = True
+                    elif message["type"] == "message":
+                        self._deliver(message["data"], changed)
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                if self._subscribed:
+                    log.warning("other hosts' changes no longer reach this host: %s", error)
+                self._subscribed = False
+                self._closing.wait(DOWN_SECONDS)
+            finally:
+                self._subscribed = False
+                pubsub.close()
+
+    def _deliver(self, message: bytes, changed: Callable[[str, bytes], None]) -> None:
+        try:
+            sender, records = announced(message)
+        except (KeyError, struct.error):
+            log.error("an announcement that is not one: %r", message[:64])
+            return
+        if sender == self.id:
+            return  # this host's own kernel saw its changes
+        for family, key in records:
+            try:
+                changed(family, key)
+            except Exception:
+                log.exception("handling another host's change of %s %r failed", family, key)
+
     def close(self) -> None:
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2 * WATCH_POLL_SECONDS)
         self.client.close()
 
     # -- sessions ------------------------------------------------------------------------

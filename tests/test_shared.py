@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
 from local_redis import LocalRedis
 
 MiB = 1 << 20
+# Other hosts' changes show within 100 ms (README, measured by scripts/bench_shared.py); the
+# tests allow a loaded machine more, and still less than the kernel keeps a name (1 s).
+SEEN_WITHIN = 0.5
 KVFS_CLI = Path(sys.executable).parent / "kvfs"
 
 
@@ -158,7 +162,7 @@ def test_concurrent_namespace_changes_from_every_host_stay_consistent(shared_poo
         failures.append(errors.get())
     assert failures == []
     # Every host sees the same names with the same inode and link count.
-    time.sleep(0.1)  # kernel caches on a shared pool hold entries for at most 50 ms
+    time.sleep(SEEN_WITHIN)  # the last changes' pushes reach every host
     views = [{p.name: (p.stat().st_ino, p.stat().st_nlink, p.stat().st_size)
               for p in (host.mountpoint / "shared").iterdir()} for host in hosts]
     assert all(view == views[0] for view in views), views
@@ -182,24 +186,42 @@ def test_lmcache_engines_on_two_hosts_share_chunks(shared_pool, engines: Engines
     assert stats(second.mountpoint)["lookup_hits"] >= 8
 
 
-def test_a_chunk_committed_on_one_host_is_found_on_another_at_once(shared_pool) -> None:
-    """The README's rule: misses are not cached on a shared pool, hits for 50 ms."""
+def seen_within(condition: Callable[[], bool], seconds: float = SEEN_WITHIN) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_other_hosts_changes_reach_a_caching_kernel(shared_pool) -> None:
+    """Host 2's kernel caches names, misses and attributes (repeated stats never reach its
+    daemon), and still sees every change host 1 makes: host 1's engine pushes it."""
     first, second = shared_pool(2)
     key = second.mountpoint / "chunk.data"
     with pytest.raises(FileNotFoundError):
-        key.stat()  # a miss on host 2 first: it must not hide the commit below
+        key.stat()
+    misses = stats(second.mountpoint)["lookup_misses"]
+    with pytest.raises(FileNotFoundError):
+        key.stat()  # the kernel answers the miss ...
+    assert stats(second.mountpoint)["lookup_misses"] == misses
     (first.mountpoint / "chunk.data.tmp").write_bytes(b"one")
     (first.mountpoint / "chunk.data.tmp").rename(first.mountpoint / "chunk.data")
-    assert key.read_bytes() == b"one"  # at once: nothing cached the miss
+    assert seen_within(key.exists)  # ... until host 1 commits the name
+    assert key.read_bytes() == b"one"
+    hits = stats(second.mountpoint)["lookup_hits"]
     old_ino = key.stat().st_ino
+    assert key.stat().st_ino == old_ino and stats(second.mountpoint)["lookup_hits"] == hits
     (first.mountpoint / "chunk.data.tmp").write_bytes(b"second version")
     (first.mountpoint / "chunk.data.tmp").rename(first.mountpoint / "chunk.data")
-    time.sleep(0.1)
-    assert key.stat().st_ino != old_ino
+    assert seen_within(lambda: key.stat().st_ino != old_ino)
     assert key.read_bytes() == b"second version"
+    (first.mountpoint / "chunk.data").chmod(0o600)
+    assert seen_within(lambda: key.stat().st_mode & 0o777 == 0o600)
     (first.mountpoint / "chunk.data").unlink()
-    time.sleep(0.1)
-    assert not key.exists()
+    assert seen_within(lambda: not key.exists())
+    assert seen_within(lambda: "chunk.data" not in os.listdir(second.mountpoint))
 
 
 def slow_writer(path: str, started: EventType) -> None:

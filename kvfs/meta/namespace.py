@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice, takewhile
 
@@ -45,6 +45,17 @@ class NamespaceOps(MetaBase):
             raise fail(errno.ENAMETOOLONG)
         with self.engine.snapshot() as txn:
             return self._child(txn, parent, name)
+
+    def watch_others(self, name_changed: Callable[[int, bytes], None],
+                     inode_changed: Callable[[int], None]) -> None:
+        """Be told, from the engine's thread, of every name (parent, name) and inode that
+        other hosts change from now on (a shared pool; on one host there are none)."""
+        def changed(family: str, key: bytes) -> None:
+            if family == "dentry":
+                name_changed(from_u64(key[:8]), bytes(key[8:]))
+            else:
+                inode_changed(from_u64(key))
+        self.engine.watch(changed)
 
     def names(self, ino: int) -> list[tuple[int, bytes]]:
         with self.engine.snapshot() as txn:
@@ -108,8 +119,12 @@ class NamespaceOps(MetaBase):
         return inode
 
     def _child(self, txn: Txn, parent: int, name: bytes) -> Inode | None:
-        raw = txn.get("dentry", u64(parent) + name)
-        return None if raw is None else self._get(txn, from_u64(raw))
+        entry, raw = txn.get_through("dentry", u64(parent) + name, "inode")
+        if entry is None:
+            return None
+        if raw is None:
+            raise fail(errno.ENOENT)
+        return Inode.unpack(from_u64(entry[:8]), raw)
 
     def _has_children(self, txn: Txn, ino: int) -> bool:
         first = next(txn.scan("dirlist", u64(ino)), None)
