@@ -17,9 +17,12 @@ Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte
 Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
 with SCAN.
 
-A change is one optimistic transaction: the change runs against a write buffer, WATCHing
-every record and partition it reads; MULTI/EXEC then applies its writes, and a conflict (a
-watched key changed meanwhile) runs it again, after a short random wait. A change that fails
+A change is one optimistic transaction: the change runs against a write buffer, reading
+records with plain GETs (one round trip each, no WATCH); its commit is one script
+(COMMIT_SCRIPT) that checks that every record it read still holds what it read and only then
+applies its writes, and a conflict runs it again, after a short random wait. A change that
+scans a partition WATCHes it (a script cannot compare a scan cheaply), and its script then
+runs inside MULTI/EXEC. A change that fails
 (ENOENT, or a record that contradicts another) fails only if what it read is still current:
 its reads are not one snapshot, so it may have seen half of another host's change.
 
@@ -83,6 +86,31 @@ _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
 _KEY_LENGTH = struct.Struct(">H")
 ENGINE_ID_BYTES = 8
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
+# KEYS: the records a change read, then one key per write; ARGV: how many were read, what
+# each held ("" if absent, else "=" + value), then per write: op, key index (0: none), a, b.
+COMMIT_SCRIPT = """
+local read = tonumber(ARGV[1])
+for i = 1, read do
+  local held, now = ARGV[1 + i], redis.call('GET', KEYS[i])
+  if held == '' then
+    if now then return 0 end
+  elseif now ~= string.sub(held, 2) then
+    return 0
+  end
+end
+for at = read + 2, #ARGV, 4 do
+  local op, key, a, b = ARGV[at], KEYS[tonumber(ARGV[at + 1])], ARGV[at + 2], ARGV[at + 3]
+  if op == 'S' then redis.call('SET', key, a)
+  elseif op == 'D' then redis.call('DEL', key)
+  elseif op == 'Z' then redis.call('ZADD', key, 0, a)
+  elseif op == 'R' then redis.call('ZREM', key, a)
+  elseif op == 'I' then redis.call('HINCRBY', key, a, b)
+  elseif op == 'H' then redis.call('HDEL', key, a)
+  elseif op == 'P' then redis.call('PUBLISH', a, b)
+  end
+end
+return 1
+"""
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])
@@ -207,21 +235,18 @@ class _Reader:
 
 
 class _Change:
-    """A transaction: reads WATCH what they read, writes wait in a buffer until EXEC."""
+    """A transaction: reads are remembered and checked again at commit (COMMIT_SCRIPT);
+    writes wait in a buffer until then."""
 
     def __init__(self, engine: RedisEngine, pipe: redis.client.Pipeline) -> None:
         self.engine = engine
-        self.pipe = pipe
+        self.client = engine.client
+        self.pipe = pipe  # WATCHes the partitions a scan walks (rare), and commits then
         self.writes: dict[tuple[str, bytes], bytes | None] = {}
         self.adds: list[tuple[str, bytes, int]] = []
         self.cleared: set[str] = set()
         self.watched: set[bytes] = set()
-        self.read: dict[bytes, bytes | None] = {}  # records read (and watched) so far
-
-    def _watch(self, key: bytes) -> None:
-        if key not in self.watched:
-            self.watched.add(key)
-            self.pipe.watch(key)
+        self.read: dict[bytes, bytes | None] = {}  # records read so far -> what they held
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if (family, key) in self.writes:
@@ -230,8 +255,7 @@ class _Change:
             return None
         record = _record_key(family, key)
         if record not in self.read:
-            self._watch(record)
-            self.read[record] = _reply(self.pipe.get(record))
+            self.read[record] = _reply(self.client.get(record))
         return self.read[record]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
@@ -241,11 +265,7 @@ class _Change:
                    if (family, key) not in self.writes}
         unread = [record for record in records.values() if record not in self.read]
         if unread:
-            unwatched = [record for record in unread if record not in self.watched]
-            if unwatched:
-                self.watched.update(unwatched)
-                self.pipe.watch(*unwatched)
-            self.read.update(zip(unread, _replies(self.pipe.mget(unread)), strict=True))
+            self.read.update(zip(unread, _replies(self.client.mget(unread)), strict=True))
         return [self.writes[family, key] if (family, key) in self.writes
                 else self.read[records[key]] for key in keys]
 
@@ -284,11 +304,13 @@ class _Change:
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         if family in PARTITIONED or family in INDEXED:
-            for set_key in _set_keys(family, start):
-                self._watch(set_key)
+            unwatched = [key for key in _set_keys(family, start) if key not in self.watched]
+            if unwatched:
+                self.watched.update(unwatched)
+                self.pipe.watch(*unwatched)
             stored = self.engine.scan_stored(self.pipe, family, start)
         else:
-            stored = self.engine.scan_stored(self.engine.client, family, start)
+            stored = self.engine.scan_stored(self.client, family, start)
         buffered = sorted((key, value) for (f, key), value in self.writes.items()
                           if f == family and key >= start)
         last = None
@@ -300,31 +322,61 @@ class _Change:
             if value is not None:
                 yield key, value
 
-    def commit(self) -> None:
-        pipe = self.pipe
-        pipe.multi()
+    def _script_call(self, with_writes: bool) -> tuple[list[bytes], list[bytes | int]]:
+        """COMMIT_SCRIPT's keys and arguments: the checks, and the writes if `with_writes`."""
+        keys = list(self.read)
+        args: list[bytes | int] = [len(keys)]
+        args += [b"" if held is None else b"=" + held for held in self.read.values()]
+        if not with_writes:
+            return keys, args
+
+        def op(code: bytes, key: bytes | None, a: bytes = b"", b: bytes | int = 0) -> None:
+            if key is not None:
+                keys.append(key)
+            args.extend((code, len(keys) if key is not None else 0, a, b))
+
         for family in self.cleared:
-            pipe.delete(_counter_key(family))
+            op(b"D", _counter_key(family))
         for (family, key), value in self.writes.items():
             set_key = _set_key(family, key)
             if family in COUNTERS:
                 if value is None:
-                    pipe.hdel(_counter_key(family), key)
-                continue
-            if value is None:
-                pipe.delete(_record_key(family, key))
+                    op(b"H", _counter_key(family), key)
+            elif value is None:
+                op(b"D", _record_key(family, key))
                 if set_key is not None:
-                    pipe.zrem(set_key, key)
+                    op(b"R", set_key, key)
             else:
-                pipe.set(_record_key(family, key), value)
+                op(b"S", _record_key(family, key), value)
                 if set_key is not None:
-                    pipe.zadd(set_key, {key: 0})
+                    op(b"Z", set_key, key)
         for family, key, delta in self.adds:
-            pipe.hincrby(_counter_key(family), key, delta)
+            op(b"I", _counter_key(family), key, delta)
         changed = [(family, key) for family, key in self.writes if family in ANNOUNCED]
         if changed:
-            pipe.publish(CHANGES_CHANNEL, announcement(self.engine.id, changed))
-        pipe.execute()
+            op(b"P", None, CHANGES_CHANNEL, announcement(self.engine.id, changed))
+        return keys, args
+
+    def _run_script(self, with_writes: bool) -> bool:
+        """Whether nothing the change read (records, and scanned partitions) has changed;
+        if so, and `with_writes`, its writes are applied in the same step."""
+        keys, args = self._script_call(with_writes)
+        if not self.watched:
+            return bool(self.engine.commit_script(keys, args))
+        self.pipe.multi()
+        self.engine.commit_script(keys, args, client=self.pipe)
+        try:
+            [applied] = self.pipe.execute()
+        except redis.WatchError:
+            return False
+        return bool(applied)
+
+    def commit(self) -> None:
+        if not self._run_script(with_writes=True):
+            raise redis.WatchError("a record this change read has changed")
+
+    def still_valid(self) -> bool:
+        return self._run_script(with_writes=False)
 
 
 class RedisEngine:
@@ -346,6 +398,7 @@ class RedisEngine:
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
+        self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
         self._subscribed = False
         self._watcher: threading.Thread | None = None
@@ -397,24 +450,12 @@ class RedisEngine:
                     # Reads are not one snapshot: what the change saw may have been half of
                     # another host's change. Only an error drawn from an unchanged view
                     # is the change's answer.
-                    if self._down_until or self.call(self._still_valid, txn):
+                    if self._down_until or self.call(txn.still_valid):
                         raise
             self.conflicts += 1
             time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)))
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)
-
-    @staticmethod
-    def _still_valid(txn: _Change) -> bool:
-        """Whether nothing the change read has changed since (an empty MULTI/EXEC)."""
-        if not txn.watched:
-            return True
-        txn.pipe.multi()
-        try:
-            txn.pipe.execute()
-        except redis.WatchError:
-            return False
-        return True
 
     def allocate(self, key: bytes, count: int) -> int:
         """Add `count` to the counter `key`; returns its new value."""

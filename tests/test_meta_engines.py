@@ -24,6 +24,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from conftest import wait_for
 
 from kvfs.changelog import ChangeLog
 from kvfs.engine import APPLIED_KEY, Engine, LmdbEngine, Txn
@@ -41,6 +42,7 @@ from kvfs.meta import (
     Inode,
     MetaStore,
     Removed,
+    u64,
 )
 from kvfs.records import BlobInfo, FsError
 from kvfs.redis_engine import RedisEngine
@@ -871,6 +873,46 @@ def test_concurrent_creates_from_two_hosts(pool: tuple[MetaStore, MetaStore]) ->
     made = change_concurrently([one, two], d.ino, threads=4, files=100, churn=5)
     check_concurrent_outcome(two, d.ino, made, workers=8, files=100, churn=5)
     assert one.usage() == two.usage()
+
+
+def test_changes_that_read_a_record_another_host_changed_run_again(
+        pool: tuple[MetaStore, MetaStore]) -> None:
+    """Read-modify-write of one record from two hosts, 4 threads each: no update is lost
+    (each commit checks that what its change read is still there)."""
+    engines = [store.engine for store in pool]
+
+    def bump(txn: Txn) -> None:
+        held = txn.get("settings", b"bumps")
+        txn.put("settings", b"bumps", str(int(held or b"0") + 1).encode())
+
+    def worker(engine: Engine) -> None:
+        for _ in range(50):
+            engine.change(bump)
+
+    threads = [threading.Thread(target=worker, args=(engine,)) for engine in engines * 4]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with engines[0].snapshot() as txn:
+        assert txn.get("settings", b"bumps") == b"400"
+    assert sum(engine.conflicts for engine in engines) > 0  # they did collide
+
+
+def test_each_host_is_told_of_the_names_and_inodes_others_change(
+        pool: tuple[MetaStore, MetaStore]) -> None:
+    one, two = pool
+    told: dict[str, list[tuple[str, bytes]]] = {"one": [], "two": []}
+    one.engine.watch(lambda family, key: told["one"].append((family, key)))
+    two.engine.watch(lambda family, key: told["two"].append((family, key)))
+    assert wait_for(lambda: one.engine.watching() and two.engine.watching())
+    made = mkfile(one, b"told")
+    assert wait_for(lambda: ("dentry", u64(ROOT_INO) + b"told") in told["two"])
+    assert ("inode", u64(made.ino)) in told["two"]
+    assert told["one"] == []  # its own kernel saw it
+    two.rename(ROOT_INO, b"told", ROOT_INO, b"renamed", 0)
+    assert wait_for(lambda: ("dentry", u64(ROOT_INO) + b"renamed") in told["one"])
+    assert ("dentry", u64(ROOT_INO) + b"told") in told["one"]
 
 
 def test_holds_and_sessions_across_hosts(pool: tuple[MetaStore, MetaStore]) -> None:
