@@ -40,12 +40,13 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         return meta.usage().files, hosts, meta.models()
 
     files, hosts, models = await off_loop(read)
+    capacity, used = await space.room()
     return {
         "data_path": passthrough.mode(),
         # (without passthrough the daemon checks every block it serves, whatever the option)
         "verify": str(verify if passthrough.mode() == "passthrough" else VerifyMode.ALWAYS),
-        "capacity_bytes": await space.capacity(),
-        "used_bytes": await space.used(),
+        "capacity_bytes": capacity,
+        "used_bytes": used,
         "files": files,
         **stats.as_dict(),
         "metadata_conflicts": meta.engine.conflicts,

@@ -4,15 +4,14 @@ The trio loop (one thread) owns all in-memory state: the open-file table, space 
 caches, holds, stats. It never waits on anything slow. Blocking work runs in a worker thread
 through `off_loop` and returns values; the awaiting task applies them to the loop's state
 when it resumes:
-- metadata changes (each returns once the group commit holding it has synced: many requests
-  wait at once, so concurrent creates share one LMDB sync),
-- every round trip to a shared engine (Redis), reads included,
+- every round trip to a shared engine (Redis), reads and changes,
 - volume I/O larger than a single small syscall, and hashing.
 
 Worker threads read and write only what they are handed and what the engines and the volume
-hold; the committer thread (kvfs/engine.py) runs only engine changes. Metadata reads of the
-embedded engine are memory-mapped lookups of microseconds: they run on the loop
-(`MetaCalls`), while on a shared engine they are round trips and go to a worker.
+hold; the committer thread (kvfs/engine.py) only moves answered changes into LMDB. Metadata
+reads and changes of the embedded engine are memory-mapped lookups and one append to its
+change log, microseconds: they run on the loop (`MetaCalls`), while on a shared engine they
+are round trips and go to a worker.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import trio
 
-from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed
+from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, Usage
 from kvfs.offloop import MetaCalls, off_loop
 from kvfs.records import FsError, fail
 from kvfs.sessions import Session
@@ -71,20 +71,23 @@ class Space:
     # -- accounting ----------------------------------------------------------------------
 
     async def used(self) -> int:
-        committed = (await self.meta_call(self.meta.usage)).used
-        return committed + self.staged + self.session.staged_elsewhere
+        return (await self.room())[1]
 
     async def capacity(self) -> int:
-        """The configured capacity, or what fits on the volume if that is less."""
-        # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
-        configured, room = await self.meta_call(self._limits)
-        return max(0, min(configured, await self.used() + room))
+        return (await self.room())[0]
 
-    def _limits(self) -> tuple[int, int]:
-        """The configured capacity and the room left on the volume."""
+    async def room(self) -> tuple[int, int]:
+        """(capacity, used bytes): the configured capacity, or what fits on the volume if
+        that is less, and the bytes committed and staged."""
+        # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
+        usage, volume_room = await self.meta_call(self._usage_and_volume_room)
+        used = usage.used + self.staged + self.session.staged_elsewhere
+        return max(0, min(usage.capacity, used + volume_room)), used
+
+    def _usage_and_volume_room(self) -> tuple[Usage, int]:
         volume = os.statvfs(self.volume)
         reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
-        return self.meta.capacity(), volume.f_bavail * volume.f_frsize - reserve
+        return self.meta.usage(), volume.f_bavail * volume.f_frsize - reserve
 
     async def reserve(self, growth: int) -> None:
         """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
@@ -94,13 +97,14 @@ class Space:
         if growth <= self._slack and time.monotonic() < self._slack_until:
             self._slack -= growth  # room known to be there: no statvfs, no metadata read
             return
-        capacity = await self.capacity()
+        capacity, used = await self.room()
         if growth > capacity:
             raise fail(errno.ENOSPC)
-        if (await self.used() + growth > capacity
-                and not await self.evict_to(capacity - growth)):
-            raise fail(errno.ENOSPC)
-        self._slack = capacity - await self.used() - growth
+        if used + growth > capacity:
+            if not await self.evict_to(capacity - growth):
+                raise fail(errno.ENOSPC)
+            used = await self.used()
+        self._slack = capacity - used - growth
         self._slack_until = time.monotonic() + SLACK_SECONDS
 
     async def reserve_for_kernel_writer(self) -> int:
@@ -210,8 +214,8 @@ class Space:
 
     async def trim(self) -> None:
         """Above the high watermark, evict down to the low one (as far as pins allow)."""
-        capacity = await self.capacity()
-        if await self.used() <= HIGH_WATERMARK * capacity:
+        capacity, used = await self.room()
+        if used <= HIGH_WATERMARK * capacity:
             return
         reached = await self.evict_to(int(LOW_WATERMARK * capacity), partial=True)
         if not reached and not self._pinned_warning:

@@ -52,9 +52,11 @@ from bench_io import (
     lmcache_store,
     look_up_then_load,
     make_empty_files,
+    make_tree,
     read_files,
     run_cleaning_up,
     stat_paths,
+    walk_tree,
     warm_files,
     write_files,
 )
@@ -82,6 +84,9 @@ VLLM_SECTION = "vLLM fs tier (its own io.py, 16 threads, separate processes)"
 VLLM_CONFIGS = tuple((block_mib, buffered) for block_mib in (2, 32) for buffered in (False, True))
 VLLM_JOBS = 32  # jobs per store or load (requests of data_bytes / 32): all 16 threads busy
 VLLM_LOOKUP = "first lookups on a fresh mount (os.path.exists)"
+TREE_FILES_EACH = 4  # files per directory of the walked tree
+TREE_WALKS = (("du -s", ["du", "-s"]), ("find -size +1", ["find", "-size", "+1"]),
+              ("ls -lR", ["ls", "-lR"]))
 
 
 def vllm_config(block_mib: int, buffered: bool) -> str:
@@ -108,6 +113,7 @@ class Plan:
     rss_passes: int  # reads of the whole data set through one daemon
     cache_bytes: int
     populate_limit_s: float  # give up on a scaling step whose creation would take longer
+    tree_directories: int  # directories of the tree that du, find and ls -lR walk
 
     @classmethod
     def make(cls, quick: bool, runs: int, cache_bytes: int) -> Plan:
@@ -115,11 +121,11 @@ class Plan:
             return cls(quick, runs, chunk_files=8, meta_files=10_000, stat_sample=2_000,
                        small_files=500, scale_counts=(1_000, 10_000), engine_runs=1,
                        engine_chunks=4, fio_bytes=256 * MIB, rss_passes=3,
-                       cache_bytes=cache_bytes, populate_limit_s=60)
+                       cache_bytes=cache_bytes, populate_limit_s=60, tree_directories=1_024)
         return cls(quick, runs, chunk_files=32, meta_files=100_000, stat_sample=10_000,
                    small_files=2_000, scale_counts=(1_000, 10_000, 100_000, 1_000_000),
                    engine_runs=runs, engine_chunks=8, fio_bytes=1024 * MIB, rss_passes=4,
-                   cache_bytes=cache_bytes, populate_limit_s=600)
+                   cache_bytes=cache_bytes, populate_limit_s=600, tree_directories=4_096)
 
     @property
     def data_bytes(self) -> int:
@@ -619,6 +625,32 @@ class Bench:
             if count == self.plan.meta_files:
                 with self.stage(f"metadata at {label}", "metadata"):
                     self.metadata_rates(directories, count)
+        with self.stage(f"shell tools over {self.plan.tree_directories:,} directories",
+                        "metadata"):
+            self.tree_walks()
+
+    def tree_walks(self) -> None:
+        """du, find and ls -lR over a tree of small directories, first on a fresh mount with
+        the kernel's dentries dropped (what an operator's first look at a pool costs)."""
+        directories, files_each = self.plan.tree_directories, TREE_FILES_EACH
+        self.note(f"shell tools walk {directories:,} directories of {files_each} files each")
+        roots = {t: str(self.roots[t] / "tree") for t in TARGETS}
+        for target in TARGETS:
+            os.mkdir(roots[target])
+            span = make_tree(roots[target], directories, files_each)
+            self.progress(f"{target}: tree made, {span.amount / (span.end - span.start):,.0f} "
+                          "entries/s (mkdir, mknod)")
+        for run in range(self.plan.runs):
+            for target in in_turn(run):
+                if target == "kvfs":
+                    self.kvfs.unmount()
+                    self.kvfs.mount()
+                for name, command in TREE_WALKS:
+                    drop_caches(2)
+                    span = walk_tree(command, roots[target], span.amount)
+                    self.record(tree_metric(name), "entries/s", target,
+                                span.amount / (span.end - span.start))
+            self.progress(f"run {run + 1} done")
 
     def scaling_step(self, directories: dict[str, Path], count: int) -> None:
         sample = min(self.plan.stat_sample, count, 2_000)
@@ -673,6 +705,10 @@ class Bench:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def tree_metric(walk: str) -> str:
+    return f"{walk} over a tree ({TREE_FILES_EACH} files per directory)"
+
+
 def prompt_metric(gap: float) -> str:
     return (f"loads {gap * 1e3:.0f} ms after the lookups (first open to last byte)" if gap
             else "loads right after the lookups (first open to last byte)")
@@ -724,6 +760,7 @@ RATIO_TARGETS = (
     ("LMCache engine B retrieves cold", COLD_PROMPT, "LMCache engine B retrieves A's prefix cold",
      1.0),
     ("stat of missing names", "metadata", "stat missing names", 0.5),
+    *((f"{name} over a tree", "metadata", tree_metric(name), 0.2) for name, _ in TREE_WALKS),
     *((f"vLLM tier {vllm_config(*config)}: {op}", VLLM_SECTION, f"{vllm_config(*config)}: {op}",
        minimum) for config in VLLM_CONFIGS
       for op, minimum in (("store", 0.85), ("cold load", 0.9), ("warm load", 0.9))),

@@ -1,14 +1,17 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
+                                              [--redis]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
 temporary name `O_CREAT|O_EXCL|O_WRONLY|O_TRUNC`, one write, close, `os.replace` onto the
 destination. The files go into one directory per run, spread over 16 subdirectories as
 vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
-reported with the ratio kvfs/plain. Needs root (mounting). The mount and the work directory
-(default bench-work/ in the repository) are removed at the end.
+reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
+a throwaway local Redis (a shared pool of one host) and is measured beside the first. Needs
+root (mounting). The mounts, Redis and the work directory (default bench-work/ in the
+repository) are removed at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench_io import REPO, KvfsMount
+from local_redis import LocalRedis
 from rich.console import Console
 from rich.table import Table
 
@@ -68,20 +72,30 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per case (median)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
+    parser.add_argument("--redis", action="store_true",
+                        help="also measure a mount whose metadata is in Redis")
     args = parser.parse_args()
     console = Console(highlight=False)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
-    roots = {"plain": work / "plain", "kvfs": work / "mnt"}
+    redis = LocalRedis(work / "redis") if args.redis else None
+    mounts = {"kvfs": KvfsMount(work / "data", work / "mnt", [])}
+    if redis is not None:
+        mounts["kvfs-redis"] = KvfsMount(work / "redis-data", work / "redis-mnt",
+                                         ["--meta", redis.url])
+    roots = {"plain": work / "plain"} | {name: mount.mountpoint
+                                        for name, mount in mounts.items()}
     for root in roots.values():
         root.mkdir()
-    mount = KvfsMount(work / "data", roots["kvfs"], [])
     rates: dict[tuple[str, int], list[float]] = {}
     try:
-        mount.mount()
+        if redis is not None:
+            redis.start()
+        for mount in mounts.values():
+            mount.mount()
         for threads in args.threads:
             for run in range(args.runs):
-                for target in ("plain", "kvfs") if run % 2 == 0 else ("kvfs", "plain"):
+                for target in list(roots) if run % 2 == 0 else list(roots)[::-1]:
                     root = roots[target] / f"t{threads}-r{run}"
                     rate = store_files(root, args.files, threads)
                     rates.setdefault((target, threads), []).append(rate)
@@ -89,16 +103,22 @@ def main() -> int:
                                   f"{rate:,.0f} files/s")
                     shutil.rmtree(root)
     finally:
-        mount.unmount()
+        for mount in mounts.values():
+            mount.unmount()
+        if redis is not None:
+            redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     table = Table(title=f"store of {args.files:,} × 4 KiB files (exists, O_EXCL temp, write, "
                         f"close, rename); median of {args.runs}")
-    for column in ("threads", "plain files/s", "kvfs files/s", "kvfs/plain"):
-        table.add_column(column, justify="right")
+    table.add_column("threads", justify="right")
+    for target in roots:
+        table.add_column(f"{target} files/s", justify="right")
+    for target in mounts:
+        table.add_column(f"{target}/plain", justify="right")
     for threads in args.threads:
-        plain = statistics.median(rates[("plain", threads)])
-        kvfs = statistics.median(rates[("kvfs", threads)])
-        table.add_row(str(threads), f"{plain:,.0f}", f"{kvfs:,.0f}", f"{kvfs / plain:.3f}")
+        median = {target: statistics.median(rates[(target, threads)]) for target in roots}
+        table.add_row(str(threads), *(f"{median[target]:,.0f}" for target in roots),
+                      *(f"{median[target] / median['plain']:.3f}" for target in mounts))
     console.print(table)
     return 0
 

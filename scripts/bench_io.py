@@ -163,6 +163,25 @@ def make_empty_files(directory: str, first: int, last: int) -> Span:
     return Span(start, time.perf_counter(), last - first)
 
 
+def make_tree(root: str, directories: int, files_each: int) -> Span:
+    """`directories` directories under `root`, each with `files_each` empty files (mknod):
+    vLLM's tier spreads its blocks over such a tree."""
+    start = time.perf_counter()
+    for number in range(directories):
+        directory = os.path.join(root, f"{number:03x}")
+        os.mkdir(directory)
+        for index in range(files_each):
+            os.mknod(os.path.join(directory, kv_name(index)), stat.S_IFREG | 0o644)
+    return Span(start, time.perf_counter(), directories * (files_each + 1))
+
+
+def walk_tree(command: list[str], root: str, entries: int) -> Span:
+    """Run a shell tool (du, find, ls -lR) over the tree at `root`; its output is dropped."""
+    start = time.perf_counter()
+    subprocess.run([*command, root], check=True, stdout=subprocess.DEVNULL)
+    return Span(start, time.perf_counter(), entries)
+
+
 def list_directory(directory: str, start_at: float) -> Span:
     """A full readdir (names and types, as os.scandir gets them)."""
     _wait_until(start_at)
