@@ -61,6 +61,9 @@ SHARED_CACHING = KernelCaching(entry=1.0, negative=5.0)
 SHARED_UNWATCHED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
 CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
+# kvfs's pyfuse3 patch (scripts/pyfuse3-passthrough.patch) hands readdir the directory's inode
+# where there is no handle; stock pyfuse3 needs OPENDIR for it.
+READDIR_WITHOUT_OPENDIR = getattr(pyfuse3, "READDIR_WITHOUT_OPENDIR", False)
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 READDIR_PAGE = 256  # entries read from the metadata store at once
@@ -122,6 +125,12 @@ class KernelNotifier:
         for parent, name in removed.names:
             self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name,
                                               removed.inode.ino))
+            self._listing_changed(parent)
+
+    def _listing_changed(self, directory: int) -> None:
+        """Drop the kernel's cached listing of `directory` (invalidating an entry drops it
+        only where the kernel still has that entry)."""
+        self._queue.put(functools.partial(pyfuse3.invalidate_inode, directory, False))
 
     def others_changed_name(self, parent: int, name: bytes) -> None:
         """Another host added, removed or replaced a name (from the engine's thread)."""
@@ -131,6 +140,7 @@ class KernelNotifier:
                                    if told > now - CHANGED_NAME_SECONDS}
         self._changed_names[parent, name] = now
         self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name))
+        self._listing_changed(parent)
 
     def changed_since(self, parent: int, name: bytes, moment: float) -> bool:
         """Whether another host changed the name since `moment`: a lookup that began before
@@ -333,6 +343,11 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
+        if READDIR_WITHOUT_OPENDIR:
+            # The kernel then reads directories without OPENDIR and RELEASEDIR (two requests
+            # fewer per listing) and caches their listings, dropped at every change of the
+            # directory that it makes or is told of (KernelNotifier).
+            raise FUSEError(errno.ENOSYS)
         if not (await self._attributes(inode)).is_dir:
             raise FUSEError(errno.ENOTDIR)
         return inode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -91,6 +92,16 @@ def assert_counters_exact(mountpoint: Path, data: Path) -> None:
 def blob_files(data: Path) -> list[Path]:
     """The published data files of a kvfs volume."""
     return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
+
+
+def blob_bytes_on_disk(data: Path) -> int:
+    """What the published data files take on the volume; a file deleted between the listing
+    and its stat (a reaper at work) counts nothing."""
+    taken = 0
+    for path in blob_files(data):
+        with contextlib.suppress(FileNotFoundError):
+            taken += path.stat().st_blocks * 512
+    return taken
 
 
 def resident_bytes(path: Path) -> int:

@@ -198,3 +198,23 @@ def test_volume_smaller_than_capacity(make_mount, small_volume: Path) -> None:
     names = sorted(os.listdir(root))
     assert "f19.data" in names and "f00.data" not in names
     assert all(intact(root / name) for name in names)
+
+
+def test_a_listing_the_kernel_keeps_loses_what_eviction_removes(make_mount) -> None:
+    """The kernel caches directory listings (kvfs reads directories without OPENDIR); files
+    the daemon evicts on its own must leave the listing at once, as their names do."""
+    kvfs = make_mount("--capacity", "32M")
+    root = kvfs.mountpoint
+    (root / "old").mkdir()
+    (root / "new").mkdir()
+    for index in range(4):
+        write_named(root / "old", f"o{index}.data", 4 * MiB)
+    listed = sorted(os.listdir(root / "old"))
+    assert sorted(os.listdir(root / "old")) == listed  # (now from the kernel's cache)
+    for index in range(6):  # into another directory: nothing the kernel sees changes "old"
+        write_named(root / "new", f"n{index}.data", 4 * MiB)
+    settle(root)
+    remaining = sorted(os.listdir(root / "old"))
+    assert len(remaining) < len(listed), "eviction took files of the old directory"
+    assert remaining == sorted(name for name in listed if (root / "old" / name).exists())
+    assert all(intact(root / "old" / name) for name in remaining)

@@ -25,6 +25,7 @@ from conftest import (
     MOUNT_SCRIPT,
     KvfsMount,
     assert_counters_exact,
+    blob_bytes_on_disk,
     blob_files,
     counters_and_recount,
     drop_caches,
@@ -321,10 +322,9 @@ def test_writers_on_every_host_stay_within_the_pools_capacity(shared_pool) -> No
     for host in hosts:
         assert wait_for(lambda host=host: stats(host.mountpoint)["used_bytes"] <= 64 * MiB, 5)
         assert stats(host.mountpoint)["capacity_bytes"] == 64 * MiB
-    on_disk = sum(path.stat().st_blocks * 512 for path in blob_files(hosts[0].data))
-    assert on_disk <= 64 * MiB + 8 * MiB  # plus what the reapers have not deleted yet
-    assert wait_for(lambda: sum(p.stat().st_blocks * 512
-                                for p in blob_files(hosts[0].data)) <= 64 * MiB, 10)
+    # plus what the reapers have not deleted yet
+    assert blob_bytes_on_disk(hosts[0].data) <= 64 * MiB + 8 * MiB
+    assert wait_for(lambda: blob_bytes_on_disk(hosts[0].data) <= 64 * MiB, 10)
     assert sum(stats(host.mountpoint)["evictions"] for host in hosts) >= 16
     assert_pool_counters_exact(hosts[0])
 
