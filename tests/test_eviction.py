@@ -209,12 +209,18 @@ def test_a_listing_the_kernel_keeps_loses_what_eviction_removes(make_mount) -> N
     (root / "new").mkdir()
     for index in range(4):
         write_named(root / "old", f"o{index}.data", 4 * MiB)
-    listed = sorted(os.listdir(root / "old"))
-    assert sorted(os.listdir(root / "old")) == listed  # (now from the kernel's cache)
-    for index in range(6):  # into another directory: nothing the kernel sees changes "old"
-        write_named(root / "new", f"n{index}.data", 4 * MiB)
-    settle(root)
-    remaining = sorted(os.listdir(root / "old"))
+    held = os.open(root / "old", os.O_RDONLY | os.O_DIRECTORY)  # keeps its cached listing
+    try:
+        listed = sorted(os.listdir(root / "old"))
+        # ... but not its entries (dentries and inodes dropped, page cache kept): invalidating
+        # a name alone cannot reach the listing then.
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        for index in range(6):  # into another directory: the kernel sees nothing change "old"
+            write_named(root / "new", f"n{index}.data", 4 * MiB)
+        settle(root)
+        remaining = sorted(os.listdir(root / "old"))
+    finally:
+        os.close(held)
     assert len(remaining) < len(listed), "eviction took files of the old directory"
     assert remaining == sorted(name for name in listed if (root / "old" / name).exists())
     assert all(intact(root / "old" / name) for name in remaining)
