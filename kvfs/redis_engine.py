@@ -271,7 +271,16 @@ class _Change:
 
     def get_through(self, family: str, key: bytes, to_family: str
                     ) -> tuple[bytes | None, bytes | None]:
-        return get_through(self, family, key, to_family)
+        record = _record_key(family, key)
+        if (family, key) in self.writes or record in self.read:
+            return get_through(self, family, key, to_family)
+        entry, referred = self.engine.lookup_script([record], [_record_key(to_family, b"")])
+        self.read[record] = entry
+        if entry is None:
+            return None, None
+        # (what this change wrote or read before of the second record stays its answer)
+        self.read.setdefault(_record_key(to_family, bytes(entry[:8])), referred)
+        return entry, self.get(to_family, bytes(entry[:8]))
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)
