@@ -85,8 +85,9 @@ VLLM_CONFIGS = tuple((block_mib, buffered) for block_mib in (2, 32) for buffered
 VLLM_JOBS = 32  # jobs per store or load (requests of data_bytes / 32): all 16 threads busy
 VLLM_LOOKUP = "first lookups on a fresh mount (os.path.exists)"
 TREE_FILES_EACH = 4  # files per directory of the walked tree
-TREE_WALKS = (("du -s", ["du", "-s"]), ("find -size +1", ["find", "-size", "+1"]),
-              ("ls -lR", ["ls", "-lR"]))
+TREE_WALKS = (("du -s", ["du", "-s", "{root}"]),
+              ("find -size +1", ["find", "{root}", "-size", "+1"]),
+              ("ls -lR", ["ls", "-lR", "{root}"]))
 
 
 def vllm_config(block_mib: int, buffered: bool) -> str:

@@ -176,9 +176,11 @@ def make_tree(root: str, directories: int, files_each: int) -> Span:
 
 
 def walk_tree(command: list[str], root: str, entries: int) -> Span:
-    """Run a shell tool (du, find, ls -lR) over the tree at `root`; its output is dropped."""
+    """Run a shell tool (du, find, ls -lR) over the tree at `root` (its "{root}" argument);
+    its output is dropped."""
     start = time.perf_counter()
-    subprocess.run([*command, root], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([root if part == "{root}" else part for part in command], check=True,
+                   stdout=subprocess.DEVNULL)
     return Span(start, time.perf_counter(), entries)
 
 
