@@ -108,6 +108,10 @@ class KernelNotifier:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._changed_names: dict[tuple[int, bytes], float] = {}  # -> when it was told
+        # Inodes with an invalidation queued -> whether attributes alone: a burst of changes
+        # in one directory (another host storing 2,000 files) sends one, not one per change.
+        self._queued_inodes: dict[int, bool] = {}
+        self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
         self._thread.start()
 
@@ -119,7 +123,19 @@ class KernelNotifier:
                 log.debug("kernel notification failed: %s", error)
 
     def attributes_changed(self, ino: int) -> None:
-        self._queue.put(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
+        self._invalidate_inode(ino, attr_only=True)
+
+    def _invalidate_inode(self, ino: int, attr_only: bool) -> None:
+        with self._queued_lock:
+            queued = self._queued_inodes.get(ino)
+            self._queued_inodes[ino] = attr_only and queued is not False
+        if queued is None:
+            self._queue.put(functools.partial(self._send_inode_invalidation, ino))
+
+    def _send_inode_invalidation(self, ino: int) -> None:
+        with self._queued_lock:
+            attr_only = self._queued_inodes.pop(ino)
+        pyfuse3.invalidate_inode(ino, attr_only=attr_only)
 
     def names_removed(self, removed: Removed) -> None:
         for parent, name in removed.names:
@@ -130,7 +146,7 @@ class KernelNotifier:
     def _listing_changed(self, directory: int) -> None:
         """Drop the kernel's cached listing of `directory` (invalidating an entry drops it
         only where the kernel still has that entry)."""
-        self._queue.put(functools.partial(pyfuse3.invalidate_inode, directory, False))
+        self._invalidate_inode(directory, attr_only=False)
 
     def others_changed_name(self, parent: int, name: bytes) -> None:
         """Another host added, removed or replaced a name (from the engine's thread)."""
