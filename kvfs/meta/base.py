@@ -56,8 +56,8 @@ class MetaBase:
         """Keep a file's place in the recency index in step with its atime."""
         if inode.is_dir:
             return
-        if old_atime is not None:
-            txn.delete("recency", u64(old_atime) + u64(inode.ino))
+        if old_atime is not None:  # (its key follows from the inode read: no read of it)
+            txn.discard("recency", u64(old_atime) + u64(inode.ino))
         if new_atime is not None:
             txn.put("recency", u64(new_atime) + u64(inode.ino), b"")
 
