@@ -116,7 +116,10 @@ class ChangeLog:
         """(seq, payload) of every intact record after `after`, in order."""
         expected = after + 1
         for _, path in self._listed():
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # (a read-only reader racing the committer) in LMDB now
+                continue
             at = 0
             while at + _HEADER.size <= len(data):
                 magic, seq, length, digest = _HEADER.unpack_from(data, at)

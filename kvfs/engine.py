@@ -193,11 +193,13 @@ class _LayeredTxn:
     collects its writes there (read first)."""
 
     def __init__(self, lmdb_txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database],
-                 layers: list[_Layer], visible: int, writes: Writes | None = None) -> None:
+                 layers: list[_Layer], visible: int, writes: Writes | None = None,
+                 floor: int = 0) -> None:
         self._txn = lmdb_txn
         self._dbs = dbs
         self._layers = layers[::-1]  # newest first
         self._visible = visible
+        self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
 
     def _pending(self, family: str, key: bytes) -> tuple[Value, int]:
@@ -212,7 +214,7 @@ class _LayeredTxn:
         for layer in self._layers:
             versions = layer.families.get(family, {}).get(key)
             for seq, value, added in reversed(versions or ()):
-                if seq > self._visible:
+                if seq > self._visible or seq <= self._floor:
                     continue
                 delta += added
                 if value is not KEEP:
@@ -331,6 +333,13 @@ class LmdbEngine:
         # metasync=False: a power loss may undo the last commits but never breaks the database.
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
                              readahead=False, readonly=readonly, lock=True)
+        try:
+            self._open(path, families, readonly)
+        except BaseException:
+            self.env.close()  # else this process could never open the environment again
+            raise
+
+    def _open(self, path: Path, families: tuple[str, ...], readonly: bool) -> None:
         self._dbs = {family: self.env.open_db(family.encode(), create=not readonly)
                      for family in families}
         self._lock = threading.RLock()
@@ -395,7 +404,13 @@ class LmdbEngine:
             raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
             if self._committing.last_seq > (int(raw) if raw else 0):
                 layers.insert(0, self._committing)
-        return _LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes), lmdb_txn
+        floor = 0
+        if self._committer is None and self._active.families:
+            # Read-only beside a live daemon: its committer may have moved part of what was
+            # replayed into LMDB since; that part is read from LMDB alone.
+            raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
+            floor = int(raw) if raw else 0
+        return (_LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes, floor), lmdb_txn)
 
     def snapshot(self) -> _LayeredSnapshot:
         with self._lock:
