@@ -999,6 +999,50 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
     assert list(tmp_path.glob("changes-*.log")) == []  # a clean close leaves no log
 
 
+BUSY_WRITER = """
+import stat, sys, time
+from pathlib import Path
+from kvfs.engine import LmdbEngine
+from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
+meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
+meta.engine.sync()
+Path(sys.argv[1], "started").touch()
+deadline, number = time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < deadline:
+    meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+    number += 1
+meta.close()
+"""
+
+
+def test_read_only_opens_beside_a_busy_writer_read_one_moment(tmp_path: Path) -> None:
+    """What fsck and the tests' recounts do: open read-only while a daemon's committer moves
+    changes from the log into LMDB. Each open reads one moment: the file counter equals the
+    names listed, whatever the committer moved between the open's replay and its read."""
+    writer = subprocess.Popen([sys.executable, "-c", BUSY_WRITER, str(tmp_path), "6"],
+                              cwd=Path(__file__).parent.parent)
+    try:
+        assert wait_for(lambda: (tmp_path / "started").exists())
+        opens = 0
+        while writer.poll() is None:
+            meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE, readonly=True),
+                             readonly=True)
+            try:
+                with meta.engine.snapshot() as txn:
+                    files = txn.count("counters", b"files")
+                    names = sum(1 for key, _ in txn.scan("dentry", u64(ROOT_INO))
+                                if key[:8] == u64(ROOT_INO))
+            finally:
+                meta.close()
+            assert files == names
+            opens += 1
+        assert writer.wait() == 0 and opens > 10
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+
+
 def test_replay_stops_at_a_torn_record(tmp_path: Path) -> None:
     """A log cut in the middle of a record (a power loss) gives back the whole records before
     it and nothing after: the changes that come back are a prefix of those answered."""
