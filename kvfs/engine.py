@@ -399,18 +399,15 @@ class LmdbEngine:
     def _view(self, writes: Writes | None) -> tuple[_LayeredTxn, lmdb.Transaction[bytes]]:
         """LMDB and the layers it does not hold yet, as of now (the caller holds the lock)."""
         lmdb_txn = self.env.begin()
-        layers = [self._active]
-        if self._committing is not None:  # LMDB may hold it already: then it is not read twice
-            raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
-            if self._committing.last_seq > (int(raw) if raw else 0):
-                layers.insert(0, self._committing)
+        layers = [layer for layer in (self._committing, self._active) if layer is not None]
         floor = 0
-        if self._committer is None and self._active.families:
-            # Read-only beside a live daemon: its committer may have moved part of what was
-            # replayed into LMDB since; that part is read from LMDB alone.
+        # What LMDB holds already is read from LMDB alone: a layer being committed may be
+        # in it, and so may part of what a read-only open replayed beside a live daemon.
+        # (Otherwise nothing of the layers is: no read of the mark on every lookup.)
+        if self._committing is not None or self._committer is None:
             raw = lmdb_txn.get(APPLIED_KEY, db=self._dbs["settings"])
             floor = int(raw) if raw else 0
-        return (_LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes, floor), lmdb_txn)
+        return _LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes, floor), lmdb_txn
 
     def snapshot(self) -> _LayeredSnapshot:
         with self._lock:

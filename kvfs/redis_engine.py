@@ -509,7 +509,6 @@ class RedisEngine:
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 if self._subscribed:
                     log.warning("other hosts' changes no longer reach this host: %s", error)
-                self._subscribed = False
                 self._closing.wait(DOWN_SECONDS)
             finally:
                 self._subscribed = False

@@ -71,7 +71,10 @@ class Space:
     # -- accounting ----------------------------------------------------------------------
 
     async def used(self) -> int:
-        return (await self.room())[1]
+        return self._with_staged((await self.meta_call(self.meta.usage)).used)
+
+    def _with_staged(self, committed: int) -> int:
+        return committed + self.staged + self.session.staged_elsewhere
 
     async def capacity(self) -> int:
         return (await self.room())[0]
@@ -81,7 +84,7 @@ class Space:
         that is less, and the bytes committed and staged."""
         # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
         usage, volume_room = await self.meta_call(self._usage_and_volume_room)
-        used = usage.used + self.staged + self.session.staged_elsewhere
+        used = self._with_staged(usage.used)
         return max(0, min(usage.capacity, used + volume_room)), used
 
     def _usage_and_volume_room(self) -> tuple[Usage, int]:
