@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -43,8 +44,15 @@ TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
 SLACK_SECONDS = 0.1
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
-KERNEL_WRITER_RESERVE = 256 << 20  # held for a writer whose writes kvfs does not see ...
-KERNEL_WRITER_MIN_RESERVES = 16  # ... in pools at least this many times as large
+# Room held for a writer whose writes kvfs does not see (passthrough) until its close: twice
+# the largest file of the last commits, within these bounds ...
+KERNEL_WRITER_RESERVE_MAX = 256 << 20
+KERNEL_WRITER_RESERVE_MIN = 1 << 20
+KERNEL_WRITER_SIZES_KEPT = 64
+# ... and all of them together at most this share of the capacity: a reservation may evict,
+# and many open writers (held open, or small files from many threads) must not empty the pool
+# for room they will not use. Writers beyond it are served by the daemon, each write counted.
+KERNEL_WRITER_SHARE = 1 / 16
 
 
 class Space:
@@ -59,12 +67,15 @@ class Space:
         self.open_inodes = open_inodes  # a snapshot, taken on the loop
         self.evicted = evicted  # retires the victims (kvfs/files/retiring.py)
         self.staged = 0  # bytes this host's open write handles have staged (and reserved)
+        self.kernel_reserved = 0  # ... of which held for kernel writers
+        self._committed_sizes: deque[int] = deque(maxlen=KERNEL_WRITER_SIZES_KEPT)
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
         # Room measured by the last full check, spent by later reservations until it runs out
         # or gets old (the volume's free space can change behind our back).
         self._slack = 0
         self._slack_until = 0.0
-        self._large_until = 0.0  # until when the pool is known to be large for kernel writers
+        self._kernel_share = 0  # room kernel writers may hold together (last known capacity)
+        self._kernel_share_until = 0.0
         self._evicting = trio.Lock()
         self._pinned_warning = False
 
@@ -112,18 +123,37 @@ class Space:
 
     async def reserve_for_kernel_writer(self) -> int:
         """Room for a passthrough writer, reserved (and counted as staged) until it closes;
-        0 where that is not to be had, or would be a large share of a small pool: then
-        kvfs serves the writes and accounts each one exactly."""
-        if time.monotonic() >= self._large_until:  # (checked again once the slack is old)
-            if await self.capacity() < KERNEL_WRITER_MIN_RESERVES * KERNEL_WRITER_RESERVE:
-                return 0
-            self._large_until = time.monotonic() + SLACK_SECONDS
+        0 where that is not to be had, or would take kernel writers past their share of the
+        pool: then kvfs serves the writes and accounts each one exactly."""
+        if time.monotonic() >= self._kernel_share_until:
+            self._kernel_share = int(await self.capacity() * KERNEL_WRITER_SHARE)
+            self._kernel_share_until = time.monotonic() + SLACK_SECONDS
+        size = self.kernel_writer_reserve()
+        if self.kernel_reserved + size > self._kernel_share:
+            return 0
         try:
-            await self.reserve(KERNEL_WRITER_RESERVE)
+            await self.reserve(size)
         except FsError:
             return 0
-        self.stage(KERNEL_WRITER_RESERVE)
-        return KERNEL_WRITER_RESERVE
+        self.stage(size)
+        self.kernel_reserved += size
+        return size
+
+    def kernel_writer_reserve(self) -> int:
+        """What a kernel writer reserves: twice the largest recent file, within bounds (the
+        first writers of a mount, knowing nothing, reserve the most)."""
+        if not self._committed_sizes:
+            return KERNEL_WRITER_RESERVE_MAX
+        return min(KERNEL_WRITER_RESERVE_MAX,
+                   max(KERNEL_WRITER_RESERVE_MIN, 2 * max(self._committed_sizes)))
+
+    def kernel_writer_closed(self, reserved: int) -> None:
+        self.unstage(reserved)
+        self.kernel_reserved -= reserved
+
+    def committed(self, size: int) -> None:
+        """A writer committed a file of `size` bytes: sizes kernel writers reserve for."""
+        self._committed_sizes.append(size)
 
     def stage(self, growth: int) -> None:
         """Count bytes a writer staged (or reserved) on this host; negative: it shrank."""

@@ -241,6 +241,36 @@ def test_small_pools_and_writers_beside_readers_keep_daemon_writes(make_mount,
     assert (root / "f").read_bytes() == b"A" * 10 + b"B" + b"A" * (MiB - 11)
 
 
+def test_many_open_writers_evict_nothing_for_room_they_do_not_use(roomy: KvfsMount) -> None:
+    """A kernel writer reserves room it may never use; 64 writers held open at once (far more
+    than an 8 GiB pool holds at 256 MiB each) must not evict the pool's files for it. Once
+    files have been committed, writers reserve twice the largest recent size and all of a
+    second round of 64 pass through."""
+    root = roomy.mountpoint
+    kept = {f"kept-{index}": os.urandom(MiB) for index in range(8)}
+    for name, payload in kept.items():
+        (root / name).write_bytes(payload)
+    roomy.remount()  # a fresh daemon knows no sizes: its first writers reserve 256 MiB each
+    for round_ in range(2):
+        before = stats(root)["write_opens_passthrough"]
+        writers = [os.open(root / f"w{round_}-{index}", os.O_WRONLY | os.O_CREAT, 0o644)
+                   for index in range(64)]
+        for fd in writers:
+            os.write(fd, b"x" * 4096)
+        time.sleep(1.5)  # several ticks of the background trim while all are open
+        for fd in writers:
+            os.close(fd)
+        passed_through = stats(root)["write_opens_passthrough"] - before
+        # the pool's share for kernel writers, 512 MiB, holds two of the first ones
+        assert passed_through == (64 if round_ else 2), passed_through
+    shown = stats(root)
+    assert shown["evictions"] == 0
+    assert all((root / name).read_bytes() == payload for name, payload in kept.items())
+    assert all((root / f"w{round_}-{index}").read_bytes() == b"x" * 4096
+               for round_ in range(2) for index in range(64))
+    assert_counters_exact(root, roomy.data)
+
+
 def test_crash_during_a_kernel_write_loses_only_that_write(roomy: KvfsMount) -> None:
     root = roomy.mountpoint
     kept = os.urandom(3 * MiB)

@@ -270,7 +270,7 @@ class FileTable(WritingOps):
         handle.reserved = await self.space.reserve_for_kernel_writer()
         backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
         if backing_id is None:
-            self.space.unstage(handle.reserved)
+            self.space.kernel_writer_closed(handle.reserved)
             handle.reserved = 0
             return self._served_writer(state, handle)
         state.backing = Backing(staged.blob_id, backing_id, writable=True)
@@ -332,7 +332,7 @@ class FileTable(WritingOps):
     async def _close_handle(self, handle: Handle) -> None:
         """Let go of what a handle holds (its flush is done, or it never opened)."""
         self._discard_staged(handle)
-        self.space.unstage(handle.reserved)
+        self.space.kernel_writer_closed(handle.reserved)
         if handle.load_model is not None:
             self.loads.closed(handle.load_model)
         if handle.fd is not None:

@@ -184,6 +184,7 @@ class WritingOps(RetiringOps):
         if blob.pending:
             self.hasher.want(blob.blob_id)
         self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
+        self.space.committed(blob.size)
         self.free_blob(old_blob)
         # Later writes on this handle start from what it just committed.
         old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
