@@ -168,7 +168,7 @@ class Daemon:
                                self.notifier.attributes_changed)
         if self.config.metrics_port is not None:
             try:
-                serve_metrics(self._snapshot, self.config.metrics_port,
+                serve_metrics(self._snapshot, self.stats.requests, self.config.metrics_port,
                               self.config.metrics_address)
             except OSError as error:
                 pyfuse3.close(unmount=True)

@@ -31,7 +31,7 @@ import functools
 import mmap
 import os
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -103,8 +103,11 @@ def block_sums(fd: int, size: int, known: dict[int, int] | None = None,
         got = os.preadv(fd, [buffer[:page_rounded(length)]], block * BLOCK_SIZE)
         return xxhash.xxh3_64_intdigest(buffer[:min(got, length)])
 
-    digests = (_HASHERS.map(hash_block, unhashed) if buffer is None
-               else map(hash_block_into_buffer, unhashed))
+    if buffer is not None:
+        digests: Iterable[int] = map(hash_block_into_buffer, unhashed)
+    else:  # (one block: here, a worker's hand-off would cost more than the hash)
+        digests = _HASHERS.map(hash_block, unhashed) if len(unhashed) > 1 else map(
+            hash_block, unhashed)
     for block, digest in zip(unhashed, digests, strict=True):
         sums[block] = digest
     for block, digest in known.items():

@@ -71,8 +71,11 @@ VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS
 
 
 def guarded(method: Callable) -> Callable:
+    request = method.__name__
+
     @functools.wraps(method)
     async def wrapper(self: KvfsOperations, *args: Any) -> Any:
+        started = time.perf_counter_ns()
         try:
             return await method(self, *args)
         except FUSEError:
@@ -88,6 +91,8 @@ def guarded(method: Callable) -> Callable:
             self.stats.handler_errors += 1
             log.exception("%s%r failed", method.__name__, args[:3])
             raise FUSEError(errno.EIO) from None
+        finally:
+            self.stats.requests.record(request, time.perf_counter_ns() - started)
 
     return wrapper
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import start_http_server
-from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    REGISTRY,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
+
+from kvfs.stats import LATENCY_BOUNDS_US, RequestTimes
 
 GAUGES = {
     "capacity_bytes": "Bytes the mount may use",
@@ -28,15 +35,19 @@ COUNTERS = {
     "prefetch_used_bytes": "Prefetched bytes a reader opened later",
     "prefetch_wasted_bytes": "Prefetched bytes no reader opened within a minute",
 }
+REQUESTS = ("kvfs_request_seconds",
+            "Time the daemon took to answer FUSE requests, by request (its own part)")
 LOADS = {"bytes": "Bytes opened for reading per model (loads)",
          "seconds": "Seconds with a load of the model open"}
 
 
 class KvfsCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, snapshot: Callable[[], dict], requests: RequestTimes) -> None:
         self.snapshot = snapshot
+        self.requests = requests
 
-    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                   | HistogramMetricFamily]:
         """The metrics' names, for registration (before the mount serves: no snapshot)."""
         for name, text in GAUGES.items():
             yield GaugeMetricFamily(f"kvfs_{name}", text)
@@ -47,8 +58,10 @@ class KvfsCollector(Collector):
                                     labels=["model"])
         for field, text in LOADS.items():
             yield CounterMetricFamily(f"kvfs_model_load_{field}", text, labels=["model"])
+        yield HistogramMetricFamily(*REQUESTS, labels=["request"])
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
         state = self.snapshot()
         for name, text in GAUGES.items():
             yield GaugeMetricFamily(f"kvfs_{name}", text, value=state[name])
@@ -65,9 +78,21 @@ class KvfsCollector(Collector):
             for model, loads in state["loads"].items():
                 counter.add_metric([model], loads[field])
             yield counter
+        yield self._request_histogram()
+
+    def _request_histogram(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(*REQUESTS, labels=["request"])
+        for request, (buckets, seconds) in sorted(self.requests.histograms().items()):
+            cumulative, total = [], 0
+            for bound, count in zip((*LATENCY_BOUNDS_US, None), buckets, strict=True):
+                total += count
+                cumulative.append(("+Inf" if bound is None else str(bound / 1e6), total))
+            family.add_metric([request], cumulative, sum_value=seconds)
+        return family
 
 
-def serve_metrics(snapshot: Callable[[], dict], port: int, address: str) -> None:
+def serve_metrics(snapshot: Callable[[], dict], requests: RequestTimes, port: int,
+                  address: str) -> None:
     """Serve from a thread of prometheus_client's own; scrapes read a fresh snapshot."""
-    REGISTRY.register(KvfsCollector(snapshot))
+    REGISTRY.register(KvfsCollector(snapshot, requests))
     start_http_server(port, addr=address)

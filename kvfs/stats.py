@@ -2,7 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+
+# Upper bounds of the request-latency buckets, microseconds: powers of two, 16 µs to 1 s.
+LATENCY_BOUNDS_US = tuple(1 << power for power in range(4, 21))
+
+
+class RequestTimes:
+    """How long the daemon took to answer each kind of request: from its handler's start to
+    its answer (pyfuse3's dispatch and the kernel's round trip, tens of µs, come on top)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
+        self._seconds: dict[str, float] = {}
+
+    def record(self, request: str, elapsed_ns: int) -> None:
+        buckets = self._buckets.get(request)
+        if buckets is None:
+            buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
+            self._seconds[request] = 0.0
+        micros = elapsed_ns // 1000
+        buckets[min(len(LATENCY_BOUNDS_US), max(0, (micros - 1).bit_length() - 4))] += 1
+        self._seconds[request] += elapsed_ns / 1e9
+
+    def histograms(self) -> dict[str, tuple[list[int], float]]:
+        """request -> (counts per bucket of LATENCY_BOUNDS_US then overflow, total seconds);
+        also from another thread (the metrics server's): list() copies in one C call."""
+        return {request: (list(buckets), self._seconds.get(request, 0.0))
+                for request, buckets in list(self._buckets.items())}
+
+    def as_dict(self) -> dict[str, dict[str, float | None]]:
+        return {request: {"count": sum(buckets), "seconds": round(seconds, 6),
+                          "p50_us": _quantile(buckets, 0.5), "p99_us": _quantile(buckets, 0.99)}
+                for request, (buckets, seconds) in sorted(self.histograms().items())}
+
+
+def _quantile(buckets: list[int], share: float) -> int | None:
+    """The bucket bound under which `share` of the requests were answered (None: above all)."""
+    wanted, seen = share * sum(buckets), 0
+    for bound, count in zip(LATENCY_BOUNDS_US, buckets, strict=False):
+        seen += count
+        if seen >= wanted:
+            return bound
+    return None
 
 
 @dataclass
@@ -35,6 +77,10 @@ class Stats:
     sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
     sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
     blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
+    requests: RequestTimes = field(default_factory=RequestTimes)
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    def as_dict(self) -> dict[str, object]:
+        counters: dict[str, object] = {counter.name: getattr(self, counter.name)
+                                       for counter in fields(self) if counter.name != "requests"}
+        counters["requests"] = self.requests.as_dict()
+        return counters

@@ -68,7 +68,25 @@ def render(state: dict, previous: dict | None = None, interval: float = 1.0,
     models.add_column("bytes", justify="right")
     for model, usage in sorted(state["models"].items()):
         models.add_row(model, str(usage["files"]), _size(usage["bytes"]))
-    return Group(summary, models, loads_table(state["loads"], break_evens or {}))
+    return Group(summary, models, requests_table(state["requests"]),
+                 loads_table(state["loads"], break_evens or {}))
+
+
+def requests_table(requests: dict[str, dict[str, float | None]]) -> Table:
+    """Requests the daemon answered, by kind, and how long it took (its own part)."""
+    table = Table(title="requests answered by the daemon", header_style="bold")
+    for column in ("request", "count", "mean", "p50 ≤", "p99 ≤"):
+        table.add_column(column, justify="left" if column == "request" else "right")
+    for request, times in requests.items():
+        count = int(times["count"] or 0)
+        mean = f"{(times['seconds'] or 0) / count * 1e6:.0f} µs" if count else "-"
+        table.add_row(request, str(count), mean, _micros(times["p50_us"]),
+                      _micros(times["p99_us"]))
+    return table
+
+
+def _micros(bound: float | None) -> str:
+    return "> 1 s" if bound is None else f"{bound:.0f} µs"
 
 
 def loads_table(loads: dict[str, dict[str, float]], chosen: dict[str, float]) -> Table:

@@ -21,7 +21,10 @@ from conftest import (
     resident_bytes,
     stats,
     wait_dead,
+    wait_for,
 )
+
+from kvfs.stats import LATENCY_BOUNDS_US
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -113,6 +116,38 @@ def test_metrics_endpoint(make_mount) -> None:
     assert "kvfs_capacity_bytes 1.073741824e+09" in lines
     assert 'kvfs_model_bytes{model="meta-llama/Llama-3.1-8B"} 4096.0' in lines
     assert any(line.startswith("kvfs_bytes_written_total 4096") for line in lines)
+    # one create answered, in some bucket, and in every bucket from there on
+    assert 'kvfs_request_seconds_count{request="create"} 1.0' in lines
+    assert 'kvfs_request_seconds_bucket{le="+Inf",request="create"} 1.0' in lines
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith('kvfs_request_seconds_bucket{') and 'request="create"' in line]
+    assert len(buckets) == 18 and buckets == sorted(buckets) and buckets[-1] == 1.0
+
+
+def test_requests_are_counted_by_kind(make_mount) -> None:
+    """Each request the daemon answers is counted once under its kind, with its latency
+    bucket."""
+    kvfs = make_mount("--capacity", "1G")
+    root = kvfs.mountpoint
+    before = stats(root)["requests"]
+    for index in range(5):
+        fd = os.open(root / f"t{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, b"r" * 4096)
+        os.close(fd)
+        os.rename(root / f"t{index}", root / f"f{index}")
+
+    def answered(kind: str) -> int:
+        return stats(root)["requests"][kind]["count"] - before.get(kind, {"count": 0})["count"]
+
+    assert (answered("create"), answered("rename")) == (5, 5)
+    # (each read of .kvfs/stats is an open, a flush and a release too)
+    assert answered("flush") >= 5 and wait_for(lambda: answered("release") >= 5)
+    shown = stats(root)["requests"]["create"]
+    assert shown["p50_us"] in LATENCY_BOUNDS_US and shown["p50_us"] <= shown["p99_us"]
+    assert 0 < shown["seconds"] < 5 * shown["p99_us"] / 1e6 + 1e-9
+    table = subprocess.run([KVFS, "stat", str(root)], check=True, capture_output=True,
+                           text=True).stdout
+    assert "requests answered by the daemon" in table and "rename" in table
 
 
 @pytest.mark.parametrize("passthrough", ["auto", "off"])
