@@ -79,10 +79,12 @@ class MetaBase:
         txn.put("links", u64(ino) + u64(parent) + name, b"")
 
     def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
+        # The entry is read (a shared engine checks it at commit); its listing and link
+        # records follow from it, so they are removed unread: no round trip for them.
         raw = txn.pop("dentry", u64(parent) + name)
         if raw is not None:
-            txn.delete("dirlist", u64(parent) + raw[8:16])
-        txn.delete("links", u64(ino) + u64(parent) + name)
+            txn.discard("dirlist", u64(parent) + raw[8:16])
+        txn.discard("links", u64(ino) + u64(parent) + name)
 
     def _suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
         """The rest of every key of `family` that starts with `prefix`."""
