@@ -11,7 +11,6 @@ The repairs only fsck makes (`remove_entry`, `set_nlink`, `forget_blob`, `set_us
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -229,7 +228,7 @@ def remove_entry(meta: MetaStore, parent: int, name: bytes, ino: int) -> None:
 def set_nlink(meta: MetaStore, ino: int, nlink: int) -> None:
     """Set a file's link count to the number of its names."""
     def change(txn: Txn) -> None:
-        meta._put(txn, replace(meta._get(txn, ino), nlink=nlink))
+        meta._put(txn, meta._get(txn, ino)._replace(nlink=nlink))
     meta._change(change)
 
 

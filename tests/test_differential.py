@@ -730,9 +730,9 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         self.both(f"listdir {'/'.join(parts)}",
                   lambda root: sorted(os.listdir(root.joinpath(*parts))))
 
-    @rule(data=st.data(), follow=st.booleans())
-    def stat_path(self, data: st.DataObject, follow: bool) -> None:
-        parts = self.pick(data)
+    def summarized(self, parts: Parts, follow: bool) -> Callable[[Path], tuple]:
+        """summary() of one entry, for either tree; as in same_tree, the allocation of a file
+        fallocate gave room without data is not compared."""
         try:
             preallocated = os.stat(self.theirs.joinpath(*parts),
                                    follow_symlinks=follow).st_ino in self.preallocated
@@ -741,11 +741,16 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
 
         def summarized(root: Path) -> tuple:
             entry = summary(root.joinpath(*parts), self.is_plain(root), follow)
-            # As in same_tree: room fallocate gave without data is not compared.
             return tuple(field for field in entry if not (
                 preallocated and str(field).startswith("allocated=")))
 
-        self.both(f"{'stat' if follow else 'lstat'} {'/'.join(parts)}", summarized)
+        return summarized
+
+    @rule(data=st.data(), follow=st.booleans())
+    def stat_path(self, data: st.DataObject, follow: bool) -> None:
+        parts = self.pick(data)
+        self.both(f"{'stat' if follow else 'lstat'} {'/'.join(parts)}",
+                  self.summarized(parts, follow))
 
     @rule(data=st.data(), mode=chmod_modes)
     def chmod(self, data: st.DataObject, mode: int) -> None:
@@ -828,8 +833,7 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
             return
         outcome = self.both(f"nobody {how} {'/'.join(parts)} {content!r}",
                             lambda root: write_as_nobody(root.joinpath(*parts), how, content))
-        self.both(f"stat {'/'.join(parts)} after nobody's {how}",
-                  lambda root: summary(root.joinpath(*parts), self.is_plain(root), True))
+        self.both(f"stat {'/'.join(parts)} after nobody's {how}", self.summarized(parts, True))
         if outcome[0] == "ok":
             self.compare_file(parts)
 

@@ -9,7 +9,7 @@ import os
 import stat
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import TypeVar
@@ -212,7 +212,7 @@ class FileState:
         if not sizes:
             return inode
         size, allocated = max(sizes)[1]
-        return replace(inode, size=size, allocated=allocated)
+        return inode._replace(size=size, allocated=allocated)
 
     def open_inodes(self) -> frozenset[int]:
         return frozenset(self._open)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeVar
 
 from kvfs.engine import Engine, Txn
@@ -100,7 +99,7 @@ class MetaBase:
 
     def _adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
         inode = self._get(txn, ino)
-        self._put(txn, replace(inode, nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+        self._put(txn, inode._replace(nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
 
     def _drop_inode(self, txn: Txn, inode: Inode) -> None:
         """Remove an unlinked inode's record, its xattrs, and doom its blob."""

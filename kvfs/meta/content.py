@@ -68,7 +68,7 @@ class ContentOps(MetaBase):
                     txn.put("pending", u64(blob.blob_id), self.session)
                 txn.add("counters", b"used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
-            updated = replace(inode, size=size, allocated=allocated,
+            updated = inode._replace(size=size, allocated=allocated,
                               blob=blob.blob_id if blob else 0, version=inode.version + 1,
                               atime_ns=now, mtime_ns=now, ctime_ns=now)
             self._put(txn, updated)
@@ -132,6 +132,6 @@ class ContentOps(MetaBase):
                     self._unlink(txn, parent, name, ino)
                     self._adjust_parent(txn, parent, 0, now)
                 self._drop_inode(txn, inode)
-                dropped.append(Removed(replace(inode, nlink=0), names))
+                dropped.append(Removed(inode._replace(nlink=0), names))
             return dropped
         return self._change(change)

@@ -7,7 +7,6 @@ import errno
 import stat
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from itertools import islice, takewhile
 
 from kvfs.engine import Txn
@@ -168,7 +167,7 @@ class NamespaceOps(MetaBase):
             self._index_use(txn, inode, None, now)
             self._count_model(txn, inode, name, 1, 0)
             self._link(txn, parent, name, ino, cookie)
-            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink + is_dir,
+            self._put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
                                    mtime_ns=now, ctime_ns=now))
             if not is_dir:
                 txn.add("counters", b"files", 1)
@@ -192,9 +191,9 @@ class NamespaceOps(MetaBase):
             if self._child(txn, new_parent, new_name) is not None:
                 raise fail(errno.EEXIST)
             self._link(txn, new_parent, new_name, ino, cookie)
-            inode = replace(inode, nlink=inode.nlink + 1, ctime_ns=now)
+            inode = inode._replace(nlink=inode.nlink + 1, ctime_ns=now)
             self._put(txn, inode)
-            self._put(txn, replace(parent_inode, mtime_ns=now, ctime_ns=now))
+            self._put(txn, parent_inode._replace(mtime_ns=now, ctime_ns=now))
             return inode
         return self._change(change)
 
@@ -216,10 +215,10 @@ class NamespaceOps(MetaBase):
                     raise fail(errno.ENOTEMPTY)
                 self._unlink(txn, parent, name, inode.ino)
                 self._drop_inode(txn, inode)
-                after = replace(inode, nlink=0)
+                after = inode._replace(nlink=0)
             else:
                 after = self._drop_name(txn, inode, parent, name, now)
-            self._put(txn, replace(parent_inode, nlink=parent_inode.nlink - inode.is_dir,
+            self._put(txn, parent_inode._replace(nlink=parent_inode.nlink - inode.is_dir,
                                    mtime_ns=now, ctime_ns=now))
             return Removed(after, [(parent, name)])
         return self._change(change)
@@ -230,13 +229,13 @@ class NamespaceOps(MetaBase):
         self._unlink(txn, parent, name, inode.ino)
         if inode.nlink <= 1:
             self._drop_inode(txn, inode)
-            return replace(inode, nlink=0)
-        updated = replace(inode, nlink=inode.nlink - 1, ctime_ns=now)
+            return inode._replace(nlink=0)
+        updated = inode._replace(nlink=inode.nlink - 1, ctime_ns=now)
         if (parent, name) == (inode.parent, inode.name):  # another name becomes the primary
             new_parent, new_name = self._names(txn, inode.ino)[0]
             self._count_model(txn, inode, name, -1, -inode.allocated)
             self._count_model(txn, inode, new_name, 1, inode.allocated)
-            updated = replace(updated, parent=new_parent, name=new_name)
+            updated = updated._replace(parent=new_parent, name=new_name)
         self._put(txn, updated)
         return updated
 
@@ -281,7 +280,7 @@ class NamespaceOps(MetaBase):
                     self._unlink(txn, new_parent, new_name, target.ino)
                     self._drop_inode(txn, target)
                     self._adjust_parent(txn, new_parent, -1, now)
-                    replaced = Removed(replace(target, nlink=0), [(new_parent, new_name)])
+                    replaced = Removed(target._replace(nlink=0), [(new_parent, new_name)])
                 else:
                     replaced = Removed(self._drop_name(txn, target, new_parent, new_name, now),
                                        [(new_parent, new_name)])
@@ -303,11 +302,11 @@ class NamespaceOps(MetaBase):
     def _renamed(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
                  new: tuple[int, bytes], now: int) -> Inode:
         """Store an inode whose name `old` is now `new`: its primary name and model follow."""
-        updated = replace(inode, ctime_ns=now)
+        updated = inode._replace(ctime_ns=now)
         if old == (inode.parent, inode.name):
             self._count_model(txn, inode, old[1], -1, -inode.allocated)
             self._count_model(txn, inode, new[1], 1, inode.allocated)
-            updated = replace(updated, parent=new[0], name=new[1])
+            updated = updated._replace(parent=new[0], name=new[1])
         self._put(txn, updated)
         return updated
 
@@ -364,8 +363,8 @@ class NamespaceOps(MetaBase):
                 new_mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
             if clear_mode:
                 new_mode &= ~clear_mode
-            updated = replace(
-                inode, ctime_ns=ctime_ns, mode=new_mode,
+            updated = inode._replace(
+                ctime_ns=ctime_ns, mode=new_mode,
                 uid=inode.uid if uid is None else uid,
                 gid=inode.gid if gid is None else gid,
                 atime_ns=inode.atime_ns if atime_ns is None else atime_ns,
@@ -387,7 +386,7 @@ class NamespaceOps(MetaBase):
             txn.put("xattr", u64(ino) + name, value)
             if name == PIN_XATTR:
                 txn.put("pins", u64(ino), b"")
-            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+            self._put(txn, inode._replace(ctime_ns=time.time_ns()))
         self._change(change)
 
     def removexattr(self, ino: int, name: bytes) -> None:
@@ -397,5 +396,5 @@ class NamespaceOps(MetaBase):
                 raise fail(errno.ENODATA)
             if name == PIN_XATTR:
                 txn.delete("pins", u64(ino))
-            self._put(txn, replace(inode, ctime_ns=time.time_ns()))
+            self._put(txn, inode._replace(ctime_ns=time.time_ns()))
         self._change(change)

@@ -3,8 +3,6 @@ pins, the usage counters, the capacity and per-model usage."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from kvfs.engine import Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
@@ -27,7 +25,7 @@ class RecencyOps(MetaBase):
                         continue
                     inode = Inode.unpack(ino, raw)
                     if used_ns > inode.atime_ns:
-                        self._put(txn, replace(inode, atime_ns=used_ns))
+                        self._put(txn, inode._replace(atime_ns=used_ns))
                         self._index_use(txn, inode, inode.atime_ns, used_ns)
             self._change(change)
 
