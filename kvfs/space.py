@@ -45,8 +45,9 @@ RECENCY_FLUSH_SECONDS = 1.0
 SLACK_SECONDS = 0.1
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
 # Room held for a writer whose writes kvfs does not see (passthrough) until its close: twice
-# the largest file of the last commits, within these bounds ...
+# the largest file of the last commits, within these bounds (before any commit, FIRST) ...
 KERNEL_WRITER_RESERVE_MAX = 256 << 20
+KERNEL_WRITER_RESERVE_FIRST = 64 << 20
 KERNEL_WRITER_RESERVE_MIN = 1 << 20
 KERNEL_WRITER_SIZES_KEPT = 64
 # ... and all of them together at most this share of the capacity: a reservation may evict,
@@ -140,10 +141,9 @@ class Space:
         return size
 
     def kernel_writer_reserve(self) -> int:
-        """What a kernel writer reserves: twice the largest recent file, within bounds (the
-        first writers of a mount, knowing nothing, reserve the most)."""
+        """What a kernel writer reserves: twice the largest recent file, within bounds."""
         if not self._committed_sizes:
-            return KERNEL_WRITER_RESERVE_MAX
+            return KERNEL_WRITER_RESERVE_FIRST
         return min(KERNEL_WRITER_RESERVE_MAX,
                    max(KERNEL_WRITER_RESERVE_MIN, 2 * max(self._committed_sizes)))
 
