@@ -150,6 +150,9 @@ def test_many_readers_of_one_chunk_share_one_backing_file(passthrough: KvfsMount
     root = passthrough.mountpoint
     payload = os.urandom(32 * MiB)
     (root / "chunk").write_bytes(payload)
+    # A kernel writer's sums are taken after its close: they are in the metadata first.
+    assert wait_for(lambda: stats(root)["hashed_after_close"]
+                    == stats(root)["write_opens_passthrough"])
     passthrough.kill9()  # unchecked on this host since (marks do not outlive a crash)
     passthrough.mount()
     drop_caches()
