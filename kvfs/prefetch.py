@@ -6,8 +6,8 @@ vLLM's own tier calls `exists()` per block the same way. kvfs sees those lookups
 a stored chunk that is not wholly in memory queues it; a few chunks at a time, in lookup order
 (the order the prompt is read), once the burst of lookups pauses, are read and verified in the
 background by the same check an open makes (`Verifier.verify(force=True)`), which leaves them
-in the page cache. An open that
-arrives meanwhile joins the check in flight; one that finds it done passes straight through.
+in the page cache. An open that arrives meanwhile joins the check in flight; one that finds it
+done passes straight through.
 Where most readers are O_DIRECT (vLLM's tier), the page cache would not serve them: the
 prefetch is the check alone, read with O_DIRECT, so that their opens need none (`--verify
 once`; under `--verify open` every O_DIRECT open checks, and nothing is prefetched).

@@ -69,8 +69,9 @@ class ContentOps(MetaBase):
                 txn.add("counters", b"used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
             updated = inode._replace(size=size, allocated=allocated,
-                              blob=blob.blob_id if blob else 0, version=inode.version + 1,
-                              atime_ns=now, mtime_ns=now, ctime_ns=now)
+                                     blob=blob.blob_id if blob else 0,
+                                     version=inode.version + 1,
+                                     atime_ns=now, mtime_ns=now, ctime_ns=now)
             self._put(txn, updated)
             self._index_use(txn, inode, inode.atime_ns, now)
             self._count_model(txn, inode, inode.name, 0, allocated - inode.allocated)

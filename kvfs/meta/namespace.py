@@ -168,7 +168,7 @@ class NamespaceOps(MetaBase):
             self._count_model(txn, inode, name, 1, 0)
             self._link(txn, parent, name, ino, cookie)
             self._put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
-                                   mtime_ns=now, ctime_ns=now))
+                                                 mtime_ns=now, ctime_ns=now))
             if not is_dir:
                 txn.add("counters", b"files", 1)
             return inode
@@ -219,7 +219,7 @@ class NamespaceOps(MetaBase):
             else:
                 after = self._drop_name(txn, inode, parent, name, now)
             self._put(txn, parent_inode._replace(nlink=parent_inode.nlink - inode.is_dir,
-                                   mtime_ns=now, ctime_ns=now))
+                                                 mtime_ns=now, ctime_ns=now))
             return Removed(after, [(parent, name)])
         return self._change(change)
 
