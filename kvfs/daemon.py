@@ -191,6 +191,7 @@ class Daemon:
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
             nursery.start_soon(self.files.hasher.run)
+            nursery.start_soon(self.files.spares.run)
             nursery.start_soon(self.files.prefetcher.run)
             nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)

@@ -46,6 +46,8 @@ ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own le
 FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
 FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100  # linux/fcntl.h
+AT_SYMLINK_FOLLOW = 0x400
 SUMS_AT_CLOSE_MAX = 64 << 10  # kernel-written files up to this size are hashed at their close
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
 _HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
@@ -186,6 +188,20 @@ class DataStore:
 
     def create_staging(self, blob_id: int) -> int:
         return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def create_unnamed(self) -> int:
+        """A file without a name in the staging directory (O_TMPFILE): gone with its last
+        descriptor unless `name_staged` links it first."""
+        return os.open(self.staging_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+
+    def name_staged(self, fd: int, blob_id: int) -> None:
+        """Give an unnamed staged file its staging name (before the commit that names its
+        blob: recovery finds committed blobs there)."""
+        # (os.link follows no /proc link without a directory descriptor: linkat itself)
+        if _libc.linkat(AT_FDCWD, f"/proc/self/fd/{fd}".encode(), AT_FDCWD,
+                        bytes(self.staging_path(blob_id)), AT_SYMLINK_FOLLOW):
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error), str(self.staging_path(blob_id)))
 
     def stage_again(self, blob_id: int, published: bool, new_id: int) -> int:
         """A second name in staging/ for a committed blob's file, to commit it anew: the
@@ -352,10 +368,13 @@ class StagedFile:
     it into blobs/ (`published`). Once committed, the staged file is never deleted here."""
 
     def __init__(self, store: DataStore, blob_id: int, base_fd: int | None,
-                 base: BlobInfo | None, fd: int | None = None) -> None:
+                 base: BlobInfo | None, fd: int | None = None, named: bool = True) -> None:
+        """`fd`: the file to stage in (`named`: at its staging path already); None: a new
+        one is created there."""
         self.store = store
         self.blob_id = blob_id
         self.fd = store.create_staging(blob_id) if fd is None else fd
+        self.named = named or fd is None
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
@@ -541,8 +560,8 @@ class StagedFile:
 
     def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
         """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be
-        taken after the commit), flush if asked; the blob is final. Idempotent until the
-        next change."""
+        taken after the commit), flush if asked, give an unnamed file its staging name; the
+        blob is final. Idempotent until the next change."""
         if self._finished is not None:
             return self._finished
         self.materialize()
@@ -555,6 +574,9 @@ class StagedFile:
             sums, pending = block_sums(self.fd, self.size, self.sums), False
         if self.store.fsync:
             os.fdatasync(self.fd)
+        if not self.named:
+            self.store.name_staged(self.fd, self.blob_id)
+            self.named = True
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
                                   pending)
         return self._finished
@@ -580,7 +602,7 @@ class StagedFile:
         """Close; delete the staged data unless a commit names it (then recovery or a
         later flush publishes it)."""
         self.close()
-        if not self.committed:
+        if self.named and not self.committed:
             self.store.discard_staging(self.blob_id)
 
 

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 APPLIED_KEY = b"changes applied"  # settings: the last change LMDB holds (read from LMDB only)
 RETRY_SECONDS = 1.0  # a group LMDB refused (a full map) is tried again after this
+# A commit waits this long for more changes to join it: under a stream of small changes
+# (a store is 4-5 of them) one LMDB transaction and sync takes a burst, not each change.
+COMMIT_GATHER_SECONDS = 0.005
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
 _COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
@@ -347,6 +350,7 @@ class LmdbEngine:
         self._active = _Layer()
         self._committing: _Layer | None = None
         self._stopping = False
+        self._committer_idle = False  # waiting for changes: the next one wakes it
         self.commit_failures = 0
         self._log = ChangeLog(path)
         self._seq = self._applied()
@@ -429,7 +433,8 @@ class LmdbEngine:
                 self._log.append(seq, encode(writes))
                 self._active.add(seq, writes)
                 self._seq = seq
-                self._moved.notify_all()
+                if self._committer_idle:
+                    self._moved.notify_all()
         return result
 
     def allocate(self, key: bytes, count: int) -> int:
@@ -486,7 +491,12 @@ class LmdbEngine:
         while True:
             with self._moved:
                 while not self._active.families and not self._stopping:
+                    self._committer_idle = True
                     self._moved.wait()
+                self._committer_idle = False
+            if not self._stopping:
+                time.sleep(COMMIT_GATHER_SECONDS)
+            with self._moved:
                 if not self._active.families:
                     return
                 layer = self._committing = self._active

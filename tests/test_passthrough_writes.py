@@ -24,6 +24,7 @@ import lmdb
 import pyfuse3
 import pytest
 from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, stats, wait_for
+from test_crash import fsck_clean
 from test_passthrough import errno_of
 
 from kvfs.engine import LmdbEngine
@@ -389,3 +390,54 @@ def test_sums_still_pending_at_a_crash(roomy: KvfsMount, rebooted: bool) -> None
     assert stats(root)["hashed_after_close"] == (0 if rebooted else 2)
     verified_after_remount(roomy, {name: payload for name, payload in payloads.items()
                                    if not (rebooted and name in ("c1", "c3"))})
+
+
+WRITERS_SCRIPT = """
+import os, sys
+root = sys.argv[1]
+fds = [os.open(os.path.join(root, f"w{i}"), os.O_WRONLY | os.O_CREAT, 0o644) for i in range(16)]
+for i, fd in enumerate(fds):
+    os.write(fd, bytes([i]) * (64 << 10))
+for fd in fds[:8]:
+    os.close(fd)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def unnamed_staged_files(pid: int, data: Path) -> int:
+    """The daemon's open files in the staging directory that have no name (O_TMPFILE)."""
+    staging = str(data.resolve() / "staging")
+    return sum(os.readlink(link).startswith(staging + "/#")
+               for link in Path(f"/proc/{pid}/fd").iterdir()
+               if os.path.exists(link) or os.path.islink(link))
+
+
+def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(roomy: KvfsMount) -> None:
+    """A writer's open creates no file on the volume: it takes a spare made ahead, unnamed,
+    which its commit names and publishes. Open writers leave no name in staging/, a crash
+    leaves nothing to recover, and the committed files are whole."""
+    root = roomy.mountpoint
+    assert wait_for(lambda: unnamed_staged_files(roomy.pid, roomy.data) >= 32)
+    assert stats(root)["used_bytes"] == 0, "spares take no room"
+    writers = subprocess.Popen([sys.executable, "-c", WRITERS_SCRIPT, str(root)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writers.stdout is not None and writers.stdout.readline().strip() == "ready"
+        shown = stats(root)  # (the first eight fill the kernel writers' share of the pool)
+        assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (8, 8)
+        assert list((roomy.data / "staging").iterdir()) == [], "eight writers, no name"
+        for i in range(8):
+            assert (root / f"w{i}").read_bytes() == bytes([i]) * (64 << 10)
+        roomy.kill9()
+    finally:
+        writers.kill()
+        writers.wait()
+    roomy.mount()
+    assert list((roomy.data / "staging").iterdir()) == []
+    for i in range(16):
+        expected = bytes([i]) * (64 << 10) if i < 8 else b""
+        assert (root / f"w{i}").read_bytes() == expected, i
+    assert_counters_exact(root, roomy.data)
+    roomy.unmount()
+    fsck_clean(roomy)

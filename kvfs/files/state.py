@@ -23,6 +23,7 @@ from kvfs.data import (
     StagedFile,
     allocated_bytes,
 )
+from kvfs.files.spares import SpareFiles
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls
@@ -172,6 +173,7 @@ class FileState:
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
+        self.spares = SpareFiles(data)
         self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.prefetcher = Prefetcher(meta, data, self.verifier, session, stats, prefetch_budget)

@@ -89,7 +89,7 @@ class WritingOps(RetiringOps):
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
             handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
-                                       handle.blob)
+                                       handle.blob, fd=self.spares.take(), named=False)
         return handle.staged
 
     async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
@@ -186,8 +186,9 @@ class WritingOps(RetiringOps):
         self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
         self.space.committed(blob.size)
         self.free_blob(old_blob)
-        # Later writes on this handle start from what it just committed.
-        old_fd, handle.fd = handle.fd, self.data.open_blob(staged.blob_id)
+        # Later writes on this handle start from what it just committed (the staged file's
+        # own inode: no path lookup).
+        old_fd, handle.fd = handle.fd, os.dup(staged.fd)
         if old_fd is not None:
             os.close(old_fd)
         previous, handle.blob, handle.version = handle.blob, blob, inode.version
