@@ -26,7 +26,7 @@ from kvfs.data import (
 from kvfs.files.spares import SpareFiles
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
-from kvfs.offloop import MetaCalls
+from kvfs.offloop import MetaCalls, QuickLock
 from kvfs.passthrough import Passthrough
 from kvfs.prefetch import Prefetcher
 from kvfs.records import BlobInfo, fail
@@ -58,7 +58,7 @@ class Handle:
     shares_backing: bool = False  # served here, naming the inode's backing file to the kernel
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
-    lock: trio.Lock = field(default_factory=trio.Lock)  # one change or commit at a time
+    lock: QuickLock = field(default_factory=QuickLock)  # one change or commit at a time
     changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
     load_model: str | None = None  # a reader of committed content: whose load it is
 
