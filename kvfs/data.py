@@ -160,8 +160,12 @@ def check_file_size(size: int) -> None:
 
 def allocated_bytes(fd: int, size: int) -> int:
     """Bytes a file takes on the volume, not counting preallocation past its end (XFS)."""
+    return _allocated(os.fstat(fd), size)
+
+
+def _allocated(status: os.stat_result, size: int) -> int:
     rounded = -(-size // ALLOCATION_UNIT) * ALLOCATION_UNIT
-    return min(os.fstat(fd).st_blocks * 512, rounded)
+    return min(status.st_blocks * 512, rounded)
 
 
 class ChecksumError(Exception):
@@ -406,13 +410,14 @@ class StagedFile:
     def take_kernel_writes(self) -> None:
         """Adopt what the kernel wrote straight into the file: its size, and every block to
         be hashed again at commit."""
-        if not self.kernel_wrote():
+        status = os.fstat(self.fd)
+        if _state_of(status) == self._seen:
             return
-        self.size = os.fstat(self.fd).st_size
+        self.size = status.st_size
         self.sums.clear()
         self._hasher.reset()
         self._stream_end = None
-        self._measure()
+        self._measure(status)
         self.changed = True
 
     def growth_bound(self, offset: int, length: int) -> int:
@@ -459,10 +464,12 @@ class StagedFile:
         self.sums = dict(enumerate(base.sums))
         self._measure()
 
-    def _measure(self) -> None:
-        self.physical = allocated_bytes(self.fd, self.size)
+    def _measure(self, status: os.stat_result | None = None) -> None:
+        """Size on the volume and state, from one fstat (`status`, if just taken)."""
+        status = status or os.fstat(self.fd)
+        self.physical = _allocated(status, self.size)
         self._finished = None
-        self._seen = _file_state(self.fd)
+        self._seen = _state_of(status)
 
     def write(self, offset: int, data: bytes | memoryview) -> int:
         if self._base is not None and self._replaces_base(offset, len(data)):
@@ -609,7 +616,10 @@ class StagedFile:
 def _file_state(fd: int) -> tuple[int, int]:
     """Size and mtime: every write moves the mtime (fine-grained once kvfs has looked,
     Linux >= 6.13). Not the ctime, which a second name's removal moves too."""
-    status = os.fstat(fd)
+    return _state_of(os.fstat(fd))
+
+
+def _state_of(status: os.stat_result) -> tuple[int, int]:
     return status.st_size, status.st_mtime_ns
 
 
