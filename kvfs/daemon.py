@@ -8,6 +8,7 @@ import errno
 import logging
 import logging.handlers
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -287,6 +288,10 @@ def run(config: MountConfig) -> None:
 
 
 def _serve(config: MountConfig, ready_fd: int | None = None) -> None:
+    # Every open handle holds one or two descriptors, and spare staged files are kept open:
+    # a file server takes all the descriptors it may (the soft limit is often 1,024).
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     daemon = Daemon(config)
     daemon.mount()
     if ready_fd is not None:
