@@ -3,11 +3,12 @@
 Layout under the data directory:
 
     blobs/<id & 0xff as 2 hex>/<id as 16 hex>   committed content, never modified in place
-    staging/<id as 16 hex>                        content being written by an open handle
+    staging/<id as 16 hex>                        content being committed by a handle
     staging/<session>/<id as 16 hex>              the same, of one host of a shared pool
 
-A writer fills a staging file; committing publishes it (rename into blobs/) right after the
-metadata commit that makes it visible. A committed blob whose publication failed stays in
+A writer fills a staging file, unnamed (O_TMPFILE, made ahead: kvfs/files/spares.py) until
+its commit links it into staging/; committing publishes it (rename into blobs/) right after
+the metadata commit that makes it visible. A committed blob whose publication failed stays in
 staging/ (readers find it there) until a later flush, release or recovery publishes it: staged
 data is deleted only while no commit names it. After a crash, `recover` rolls forward staging
 files the metadata already names and deletes the rest, so nothing leaks and no data file is

@@ -241,14 +241,15 @@ def test_a_killed_host_is_cleaned_up_after_and_the_others_keep_serving(shared_po
     for name, content in committed.items():
         (first.mountpoint / name).write_bytes(content)
     before = stats(second.mountpoint)
-    # A writer on host 1 has staged data when its daemon dies.
+    used_by_committed = stats(first.mountpoint)["used_bytes"]
+    # A writer on host 1 has staged data (room held for it) when its daemon dies.
     started = multiprocessing.Event()
     writer = multiprocessing.Process(target=slow_writer,
                                      args=(str(first.mountpoint / "unfinished"), started))
     writer.start()
     try:
         assert started.wait(20)
-        assert wait_for(lambda: staged_files(first.data) != [], 10)
+        assert wait_for(lambda: stats(first.mountpoint)["used_bytes"] > used_by_committed, 10)
         first.kill9()
     finally:
         writer.kill()
