@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SPARES_KEPT = 64  # a burst of 16 vLLM threads' creates, four times over
 SPARES_BATCH = 16  # made per worker call
-RETRY_SECONDS = 1.0  # after the volume refused one (out of inodes, say)
+RETRY_SECONDS = (1.0, 60.0)  # first and longest wait after the volume refused (no inodes)
 NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL}  # the volume's answers to O_TMPFILE
 
 
@@ -34,7 +34,6 @@ class SpareFiles:
         self.data = data
         self._fds: deque[int] = deque()
         self._wanted = trio.Event()
-        self._closed = False
 
     def take(self) -> int | None:
         """An empty unnamed file open for reading and writing, or None (none made yet, or
@@ -45,6 +44,7 @@ class SpareFiles:
 
     async def run(self) -> None:
         """Keep SPARES_KEPT made, refilling whenever they run low."""
+        retry = RETRY_SECONDS[0]
         try:
             while True:
                 while len(self._fds) < SPARES_KEPT:
@@ -55,12 +55,12 @@ class SpareFiles:
                             log.info("the volume makes no unnamed files (%s): writers create "
                                      "their staged files on the loop", error)
                             return
-                        log.warning("making spare staged files: %s", error)
-                        await trio.sleep(RETRY_SECONDS)
+                        log.warning("making spare staged files: %s (again in %.0f s)", error,
+                                    retry)
+                        await trio.sleep(retry)
+                        retry = min(2 * retry, RETRY_SECONDS[1])
                         continue
-                    if self._closed:
-                        self._close_all(made)
-                        return
+                    retry = RETRY_SECONDS[0]
                     self._fds.extend(made)
                 self._wanted = trio.Event()
                 await self._wanted.wait()
@@ -80,11 +80,5 @@ class SpareFiles:
 
     def close(self) -> None:
         """The mount ends: the spares go with their descriptors."""
-        self._closed = True
-        self._close_all(self._fds)
-        self._fds.clear()
-
-    @staticmethod
-    def _close_all(fds: deque[int] | list[int]) -> None:
-        for fd in fds:
-            os.close(fd)
+        while self._fds:
+            os.close(self._fds.popleft())
