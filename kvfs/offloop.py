@@ -53,8 +53,8 @@ class MetaCalls:
 class QuickLock:
     """A trio lock whose acquire, when the lock is free, is no checkpoint. A request's
     handler that never suspends is answered by the task that read it (kvfs's pyfuse3 patch
-    starts another reader only for handlers that wait): a free per-handle lock must not
-    make every flush a scheduler pass and a new reader."""
+    wakes another reader only for handlers that wait): a free per-handle lock must not make
+    every flush a scheduler pass and a reader's wake-up."""
 
     def __init__(self) -> None:
         self._lock = trio.Lock()

@@ -10,6 +10,7 @@ here has 8 GiB. Skipped where passthrough is not available (see test_passthrough
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -406,11 +407,14 @@ sys.stdin.read()
 
 
 def unnamed_staged_files(pid: int, data: Path) -> int:
-    """The daemon's open files in the staging directory that have no name (O_TMPFILE)."""
-    staging = str(data.resolve() / "staging")
-    return sum(os.readlink(link).startswith(staging + "/#")
-               for link in Path(f"/proc/{pid}/fd").iterdir()
-               if os.path.exists(link) or os.path.islink(link))
+    """The daemon's open files in the staging directory that have no name (O_TMPFILE: the
+    kernel shows them as `staging/#<inode> (deleted)`)."""
+    unnamed = str(data.resolve() / "staging") + "/#"
+    count = 0
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            count += os.readlink(link).startswith(unnamed)
+    return count
 
 
 def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(roomy: KvfsMount) -> None:

@@ -167,7 +167,7 @@ class WritingOps(RetiringOps):
         self._publishing.add(staged.blob_id)
         await self.session.hold(staged.blob_id)
         try:
-            # Off the loop unless it is a small read, a metadata change and a rename.
+            # Off the loop unless it is a small read, a link, a metadata change and a rename.
             inline = staged.finishes_at_once(handle.backing) and not self.meta.engine.shared
             later = staged.hashes_later(handle.backing)
             commit = self._finish_and_commit
