@@ -258,8 +258,7 @@ class FileTable(WritingOps):
         as it comes: the kernel takes no other open of an inode beside a writer's backing
         file, so a reader arriving meanwhile waits for it or is served here too."""
         inode = state.inode
-        if (len(state.handles) > 1 or state.writers_waiting or self._opening[inode.ino] > 1
-                or not self.passthrough.takes(flags)
+        if (not self._alone(state) or not self.passthrough.takes(flags)
                 or handle.kill_privs and privileges_to_clear(inode, handle.kill_privs)):
             return self._served_writer(state, handle)  # (a write clears setuid/gid: seen here)
         staged = await self._staged(handle)
@@ -268,7 +267,10 @@ class FileTable(WritingOps):
         except FsError:  # no room for a copy now: served here, copied when a write needs it
             return self._served_writer(state, handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
-        backing_id = self.passthrough.register(staged.fd) if handle.reserved else None
+        # Opens that came meanwhile were answered without a backing file, and the kernel
+        # fails (EIO) any such open of an inode that has one: with company, served here.
+        alone = self._alone(state)
+        backing_id = self.passthrough.register(staged.fd) if handle.reserved and alone else None
         if backing_id is None:
             self.space.kernel_writer_closed(handle.reserved)
             handle.reserved = 0
@@ -278,6 +280,11 @@ class FileTable(WritingOps):
         handle.changed_at = next(self._clock)
         self.stats.write_opens_passthrough += 1
         return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
+
+    def _alone(self, state: OpenInode) -> bool:
+        """Whether the handle being opened is the inode's only one, opened or opening."""
+        return (len(state.handles) == 1 and not state.writers_waiting
+                and self._opening[state.inode.ino] == 1)
 
     def _served_writer(self, state: OpenInode, handle: Handle) -> Opened:
         self.stats.write_opens_daemon += 1
