@@ -73,13 +73,15 @@ MISSING_BASE = 10**12  # kv_name indices from here on are never created
 GROUPS = {"cold-read": "cold_read", "warm-read": "warm_and_hot_read",
           "concurrent-readers": "concurrent_readers", "daemon-memory": "daemon_memory",
           "write": "write", "lmcache-pattern": "lmcache_pattern", "fio": "fio",
-          "lmcache-engines": "lmcache_engines", "vllm": "vllm_tier",
+          "lmcache-engines": "lmcache_engines", "lmcache-local-disk": "lmcache_local_disk",
+          "vllm": "vllm_tier",
           "small-files": "small_file_commits", "metadata": "metadata_and_scaling",
           "cold-prompt": "cold_prompt"}
 READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory",
                   "cold-prompt"}
 COLD_PROMPT = "cold prompt: lookups, then loads (another host wrote it)"
 PROMPT_GAPS = (0.2, 0.0)  # seconds between a prompt's lookups and its loads
+LOCAL_DISK_SECTION = "real LMCache engine, local_disk backend, use_odirect (one process)"
 VLLM_SECTION = "vLLM fs tier (its own io.py, 16 threads, separate processes)"
 VLLM_CONFIGS = tuple((block_mib, buffered) for block_mib in (2, 32) for buffered in (False, True))
 VLLM_JOBS = 32  # jobs per store or load (requests of data_bytes / 32): all 16 threads busy
@@ -533,6 +535,33 @@ class Bench:
                     self.record("engine B retrieve", "GB/s", target, retrieved["gbps"])
                 self.progress(f"run {run + 1} done")
 
+    def lmcache_local_disk(self) -> None:
+        """LMCache's local_disk backend with O_DIRECT: it finds only what its own process
+        stored, so one engine stores, looks up and retrieves (twice the fs group's chunks)."""
+        with self.stage(LOCAL_DISK_SECTION):
+            chunks = 2 * self.plan.engine_chunks
+            for run in range(self.plan.engine_runs):
+                for target in in_turn(run):
+                    directory = self.roots[target] / f"local-disk-{run}"
+                    directory.mkdir()
+                    try:
+                        report = run_engine(["store", "lookup", "retrieve"], directory, chunks,
+                                            "local_disk", "--odirect")
+                    except (RuntimeError, KeyError, ValueError) as error:
+                        self.note(f"local_disk engine run failed on {target}: {error}; "
+                                  f"local_disk benchmarks skipped")
+                        return
+                    finally:
+                        shutil.rmtree(directory)
+                    store, retrieved = report["store"], report["retrieve"]
+                    if not retrieved["exact"]:
+                        self.note(f"local_disk run {run + 1} on {target}: retrieve not exact "
+                                  f"({retrieved['tokens_hit']} tokens hit)")
+                    self.record("store, 32 MiB chunks", "GB/s", target,
+                                store["bytes"] / store["seconds"] / 1e9)
+                    self.record("retrieve", "GB/s", target, retrieved["gbps"])
+                self.progress(f"run {run + 1} done")
+
     def vllm_tier(self) -> None:
         """vLLM's own fs tier (scripts/vllm_tier.py): one process stores, then, on a fresh
         mount, others look up, load cold (page cache dropped) and load again (warm)."""
@@ -723,10 +752,11 @@ def mount_time_name(count: int) -> str:
     return f"mount time, {count:,} files"
 
 
-def run_engine(ops: list[str], directory: Path, chunks: int) -> dict[str, Any]:
+def run_engine(ops: list[str], directory: Path, chunks: int, backend: str = "fs",
+               *options: str) -> dict[str, Any]:
     """One real LMCache engine process (scripts/lmcache_engine.py); returns its JSON report."""
     result = subprocess.run(
-        [sys.executable, str(ENGINE), *ops, "--backend", "fs", "--dir",
+        [sys.executable, str(ENGINE), *ops, "--backend", backend, *options, "--dir",
          str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],
         capture_output=True, text=True, cwd=REPO, timeout=600,
         env={**os.environ, "PYTHONHASHSEED": "0"},
@@ -756,6 +786,8 @@ RATIO_TARGETS = (
      "store: write <key>.tmp + rename to <key>.data", 0.85),
     ("LMCache engine B retrieve", "real LMCache engines (fs plugin)", "engine B retrieve",
      0.9),
+    ("LMCache local_disk store (O_DIRECT)", LOCAL_DISK_SECTION, "store, 32 MiB chunks", 0.85),
+    ("LMCache local_disk retrieve (O_DIRECT)", LOCAL_DISK_SECTION, "retrieve", 0.9),
     ("cold prompt, loads 200 ms after lookups", COLD_PROMPT, prompt_metric(0.2), 1.3),
     ("cold prompt, loads right after lookups", COLD_PROMPT, prompt_metric(0.0), 0.95),
     ("LMCache engine B retrieves cold", COLD_PROMPT, "LMCache engine B retrieves A's prefix cold",
