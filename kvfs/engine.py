@@ -119,8 +119,9 @@ class Engine(Protocol):
 
     def alive(self, session: bytes) -> bool: ...
 
-    def sync(self) -> None:
-        """Wait until every change answered so far is durable (survives a power loss)."""
+    def sync(self, timeout: float | None = None) -> bool:
+        """Wait until every change answered so far is durable (survives a power loss), or
+        `timeout` seconds pass; returns whether they are."""
         ...
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
@@ -133,6 +134,11 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class ChangesPending(Exception):
+    """The engine refused room for growth, but holds answered changes it has not applied
+    yet (removals among them may free room): wait for them off the loop, then try again."""
 
 
 # One key's pending change: [new value (bytes), removal (None) or KEEP, counter delta].
@@ -461,13 +467,18 @@ class LmdbEngine:
                        for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
         return used * page <= limit
 
-    def sync(self) -> None:
+    def sync(self, timeout: float | None = None) -> bool:
         """Wait until LMDB holds every change answered so far (durable: synced)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._moved:
             target = self._seq
             while self._applied() < target and self._committer is not None \
                     and self._committer.is_alive():
-                self._moved.wait(timeout=RETRY_SECONDS)
+                left = RETRY_SECONDS if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._moved.wait(timeout=min(left, RETRY_SECONDS))
+            return self._applied() >= target
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
         """One host: nothing changes the metadata behind this host's back."""

@@ -210,7 +210,7 @@ class KvfsOperations(pyfuse3.Operations):
                  notifier: KernelNotifier, passthrough: Passthrough) -> None:
         super().__init__()
         self.meta = meta
-        self.meta_call = MetaCalls(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine)
         self.files = files
         self.space = space
         self.stats = stats

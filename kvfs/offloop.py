@@ -16,11 +16,15 @@ are round trips and go to a worker.
 
 from __future__ import annotations
 
+import errno
 import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import trio
+
+from kvfs.engine import ChangesPending, Engine
+from kvfs.records import fail
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -28,6 +32,7 @@ P = ParamSpec("P")
 # Requests that may wait in worker threads at once: enough for a full FUSE queue of
 # writers (max_background, 16 vLLM threads) to share one group commit.
 WORKERS = trio.CapacityLimiter(64)
+PENDING_WAIT_SECONDS = 1.0  # for the embedded engine's committer to apply what it holds
 
 
 async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -39,15 +44,25 @@ async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) 
 
 class MetaCalls:
     """Metadata reads and changes on the loop's behalf: inline where they cannot block (the
-    embedded engine), in a worker where each is a network round trip (a shared engine)."""
+    embedded engine), in a worker where each is a network round trip (a shared engine). An
+    inline change that needs the engine's pending changes applied first (ChangesPending)
+    waits for them in a worker, then runs once more."""
 
-    def __init__(self, blocking: bool) -> None:
-        self.blocking = blocking
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.blocking = engine.shared
 
     async def __call__(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         if self.blocking:
             return await off_loop(function, *args, **kwargs)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except ChangesPending:
+            await off_loop(self.engine.sync, PENDING_WAIT_SECONDS)
+        try:
+            return function(*args, **kwargs)
+        except ChangesPending:
+            raise fail(errno.ENOSPC) from None  # the engine is not applying them: full
 
 
 class QuickLock:

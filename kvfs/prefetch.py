@@ -76,7 +76,7 @@ class Prefetcher:
     def __init__(self, meta: MetaStore, data: DataStore, verifier: Verifier, session: Session,
                  stats: Stats, budget: int) -> None:
         self.meta = meta
-        self.meta_call = MetaCalls(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine)
         self.data = data
         self.verifier = verifier
         self.session = session

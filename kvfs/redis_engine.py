@@ -480,8 +480,9 @@ class RedisEngine:
             self._room = (time.monotonic(), room)
         return room
 
-    def sync(self) -> None:
+    def sync(self, timeout: float | None = None) -> bool:
         """Redis persists by its own settings (the README says which kvfs needs)."""
+        return True
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
         self._watcher = threading.Thread(target=self._listen, args=(changed,),

@@ -61,7 +61,7 @@ class Space:
                  open_inodes: Callable[[], frozenset[int]],
                  evicted: Callable[[list[Removed]], Awaitable[None]]) -> None:
         self.meta = meta
-        self.meta_call = MetaCalls(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine)
         self.session = session
         self.volume = volume
         self.stats = stats

@@ -169,7 +169,7 @@ class FileState:
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
-        self.meta_call = MetaCalls(meta.engine.shared)
+        self.meta_call = MetaCalls(meta.engine)
         self.data = data
         self.cache = cache
         self.passthrough = passthrough

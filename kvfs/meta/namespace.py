@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from itertools import islice, takewhile
 
-from kvfs.engine import Txn
+from kvfs.engine import ChangesPending, Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import (
     LINK_MAX,
@@ -131,8 +131,11 @@ class NamespaceOps(MetaBase):
 
     def _check_room(self) -> None:
         """Refuse growth of the namespace near a full engine, so that removing files always
-        remains possible."""
+        remains possible. Removals answered but not yet in the engine may free room: while
+        there are such changes the caller waits for them (ChangesPending) and asks again."""
         if not self.engine.has_room():
+            if not self.engine.sync(timeout=0):
+                raise ChangesPending
             raise fail(errno.ENOSPC)
 
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
