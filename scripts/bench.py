@@ -513,26 +513,15 @@ class Bench:
             chunks = self.plan.engine_chunks
             for run in range(self.plan.engine_runs):
                 for target in in_turn(run):
-                    directory = self.roots[target] / f"engine-{run}"
-                    directory.mkdir()
-                    try:
-                        store = run_engine(["store"], directory, chunks)["store"]
-                        loaded = run_engine(["lookup", "retrieve"], directory, chunks)
-                    except (RuntimeError, KeyError, ValueError) as error:
-                        self.note(f"LMCache engine run failed on {target}: {error}; "
-                                  f"engine benchmarks skipped")
+                    report = self.engine_report(target, run, f"engine-{run}", chunks,
+                                                [["store"], ["lookup", "retrieve"]])
+                    if report is None:
                         return
-                    finally:
-                        shutil.rmtree(directory)
-                    retrieved = loaded["retrieve"]
-                    if not retrieved["exact"]:
-                        self.note(f"engine run {run + 1} on {target}: retrieve not exact "
-                                  f"({retrieved['tokens_hit']} tokens hit)")
                     self.record(f"engine A store, {chunks} chunks of 32 MiB", "GB/s", target,
-                                store["bytes"] / store["seconds"] / 1e9)
+                                report["store"]["bytes"] / report["store"]["seconds"] / 1e9)
                     self.record("engine B lookup", "ms", target,
-                                loaded["lookup"]["seconds"] * 1e3, higher_is_better=False)
-                    self.record("engine B retrieve", "GB/s", target, retrieved["gbps"])
+                                report["lookup"]["seconds"] * 1e3, higher_is_better=False)
+                    self.record("engine B retrieve", "GB/s", target, report["retrieve"]["gbps"])
                 self.progress(f"run {run + 1} done")
 
     def lmcache_local_disk(self) -> None:
@@ -542,25 +531,37 @@ class Bench:
             chunks = 2 * self.plan.engine_chunks
             for run in range(self.plan.engine_runs):
                 for target in in_turn(run):
-                    directory = self.roots[target] / f"local-disk-{run}"
-                    directory.mkdir()
-                    try:
-                        report = run_engine(["store", "lookup", "retrieve"], directory, chunks,
-                                            "local_disk", "--odirect")
-                    except (RuntimeError, KeyError, ValueError) as error:
-                        self.note(f"local_disk engine run failed on {target}: {error}; "
-                                  f"local_disk benchmarks skipped")
+                    report = self.engine_report(target, run, f"local-disk-{run}", chunks,
+                                                [["store", "lookup", "retrieve"]],
+                                                "local_disk", "--odirect")
+                    if report is None:
                         return
-                    finally:
-                        shutil.rmtree(directory)
-                    store, retrieved = report["store"], report["retrieve"]
-                    if not retrieved["exact"]:
-                        self.note(f"local_disk run {run + 1} on {target}: retrieve not exact "
-                                  f"({retrieved['tokens_hit']} tokens hit)")
                     self.record("store, 32 MiB chunks", "GB/s", target,
-                                store["bytes"] / store["seconds"] / 1e9)
-                    self.record("retrieve", "GB/s", target, retrieved["gbps"])
+                                report["store"]["bytes"] / report["store"]["seconds"] / 1e9)
+                    self.record("retrieve", "GB/s", target, report["retrieve"]["gbps"])
                 self.progress(f"run {run + 1} done")
+
+    def engine_report(self, target: str, run: int, name: str, chunks: int,
+                      processes: list[list[str]], *backend: str) -> dict[str, Any] | None:
+        """Real LMCache engine processes in turn (scripts/lmcache_engine.py, one list of ops
+        each) in a fresh directory of `target`: their reports merged, or None (noted) if one
+        failed. A retrieve that was not exact is noted."""
+        directory = self.roots[target] / name
+        directory.mkdir()
+        try:
+            report = {key: value for ops in processes
+                      for key, value in run_engine(ops, directory, chunks, *backend).items()}
+            retrieved = report["retrieve"]
+        except (RuntimeError, KeyError, ValueError) as error:
+            self.note(f"LMCache engine run ({' '.join(backend) or 'fs'}) failed on {target}: "
+                      f"{error}; its benchmarks skipped")
+            return None
+        finally:
+            shutil.rmtree(directory)
+        if not retrieved["exact"]:
+            self.note(f"engine run {run + 1} on {target}: retrieve not exact "
+                      f"({retrieved['tokens_hit']} tokens hit)")
+        return report
 
     def vllm_tier(self) -> None:
         """vLLM's own fs tier (scripts/vllm_tier.py): one process stores, then, on a fresh
