@@ -390,6 +390,29 @@ def test_sums_are_taken_after_close_and_guard_the_data(roomy: KvfsMount) -> None
     assert_counters_exact(root, roomy.data)
 
 
+def test_sums_wait_while_kernel_writers_keep_committing(roomy: KvfsMount) -> None:
+    """Reading back what O_DIRECT writers wrote would take the volume from them: the late
+    sums wait until commits pause (kvfs/verify.py, HASH_QUIET_SECONDS = 0.5 s; here they
+    come every 20 ms), then all are taken; an open meanwhile takes its blob's sums itself."""
+    root = roomy.mountpoint
+    payloads = {f"b{index:02d}": os.urandom(MiB) for index in range(40)}
+    for name, payload in payloads.items():
+        fd = os.open(root / name, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+        try:
+            buffer = mmap.mmap(-1, len(payload))  # page-aligned, as O_DIRECT wants
+            buffer.write(payload)
+            assert os.write(fd, buffer) == len(payload)
+        finally:
+            os.close(fd)
+        time.sleep(0.02)
+    assert stats(root)["hashed_after_close"] == 0, "no sums taken during the burst"
+    assert (root / "b07").read_bytes() == payloads["b07"]  # its open took its sums
+    assert stats(root)["hashed_after_close"] == 1
+    assert wait_for(lambda: stats(root)["hashed_after_close"] == len(payloads))
+    assert_counters_exact(root, roomy.data)
+    verified_after_remount(roomy, payloads)
+
+
 def mark_pending(data: Path, blob_ids: list[int], rebooted: bool) -> None:
     """What a crash between a kernel writer's close and the taking of its sums leaves:
     the blob records flagged pending, without sums, listed in `pending` (kvfs/meta.py);

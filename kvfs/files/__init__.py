@@ -105,7 +105,7 @@ class FileTable(WritingOps):
                 await self.session.release(blob.blob_id)
             raise
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
-                        inode.version, blob, fd, caller,
+                        inode.version, blob, fd, caller, bool(flags & os.O_DIRECT),
                         kill_privs=caller if writable and caller.uid else None)
         self.space.note_use(inode.ino)
         if not writable and blob is not None:

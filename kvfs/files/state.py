@@ -52,6 +52,7 @@ class Handle:
     blob: BlobInfo | None
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     opener: Caller  # who opened it
+    direct: bool  # opened O_DIRECT: what the kernel writes for it bypasses the page cache
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
     backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)

@@ -182,7 +182,7 @@ class WritingOps(RetiringOps):
             return False
         staged.mark_committed()
         if blob.pending:
-            self.hasher.want(blob.blob_id)
+            self.hasher.want(blob.blob_id, on_volume=handle.direct)
         self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
         self.space.committed(blob.size)
         self.free_blob(old_blob)
