@@ -197,6 +197,15 @@ def get_through(txn: Txn, family: str, key: bytes, to_family: str
     return record, None if record is None else txn.get(to_family, bytes(record[:8]))
 
 
+def _layered_on(stored: bytes | None, value: Value, delta: int) -> bytes | None:
+    """A record as the layers leave it: `value` replaces what LMDB holds unless KEEP, and a
+    counter's `delta` is added."""
+    current = stored if isinstance(value, Keep) else value
+    if delta:
+        return _COUNT.pack((_COUNT.unpack(current)[0] if current else 0) + delta)
+    return current
+
+
 class _LayeredTxn:
     """A snapshot of LMDB under the layers not yet in it; with `writes`, a change that
     collects its writes there (read first)."""
@@ -210,6 +219,10 @@ class _LayeredTxn:
         self._visible = visible
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
+        # Families the layers hold versions of (a family first written after this view
+        # began is written at a later seq: invisible here): reads of the others go to LMDB
+        # alone, which is what a listing or a lookup of settled names mostly does.
+        self._layered = {family for layer in layers for family in list(layer.families)}
 
     def _pending(self, family: str, key: bytes) -> tuple[Value, int]:
         """(value, delta) that the layers (and this change) add to LMDB's record."""
@@ -231,19 +244,23 @@ class _LayeredTxn:
         return KEEP, delta
 
     def _resolve(self, family: str, key: bytes, stored: bytes | None) -> bytes | None:
-        value, delta = self._pending(family, key)
-        current = stored if isinstance(value, Keep) else value
-        if delta:
-            return _COUNT.pack((_COUNT.unpack(current)[0] if current else 0) + delta)
-        return current
+        return _layered_on(stored, *self._pending(family, key))
+
+    def _unlayered(self, family: str) -> bool:
+        return family not in self._layered and (self.writes is None or family not in self.writes)
 
     def get(self, family: str, key: bytes) -> bytes | None:
+        if self._unlayered(family):
+            return self._txn.get(key, db=self._dbs[family])
         value, delta = self._pending(family, key)
-        if isinstance(value, Keep) or delta:
-            return self._resolve(family, key, self._txn.get(key, db=self._dbs[family]))
-        return value
+        if isinstance(value, Keep):
+            return _layered_on(self._txn.get(key, db=self._dbs[family]), value, delta)
+        return _layered_on(None, value, delta)
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
+        if self._unlayered(family):
+            read, db = self._txn.get, self._dbs[family]
+            return [read(key, db=db) for key in keys]
         return [self.get(family, key) for key in keys]
 
     def get_through(self, family: str, key: bytes, to_family: str

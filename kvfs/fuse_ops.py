@@ -66,7 +66,13 @@ CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
 READDIR_WITHOUT_OPENDIR = getattr(pyfuse3, "READDIR_WITHOUT_OPENDIR", False)
 USER_XATTR = b"user."
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
-READDIR_PAGE = 256  # entries read from the metadata store at once
+# glibc sizes a directory stream's buffer by st_blksize (32 KiB to 1 MiB), and the kernel
+# allocates that much for each FUSE readdir. Measured here (listing 100,000 entries; `du` of
+# 4,096 directories of 4 files): 1 MiB (the files' block) made `du` 1.5-2x slower; 32 KiB
+# made the large listing 1.5x slower (6x the requests); 256 KiB is as good as the best of both.
+DIRECTORY_BLKSIZE = 256 << 10
+READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
+READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -186,7 +192,7 @@ def entry_attributes(inode: Inode, timeout: float) -> EntryAttributes:
     entry.st_gid = inode.gid
     entry.st_rdev = inode.rdev
     entry.st_size = inode.size
-    entry.st_blksize = BLOCK_SIZE
+    entry.st_blksize = BLOCK_SIZE if stat.S_ISREG(inode.mode) else DIRECTORY_BLKSIZE
     entry.st_blocks = inode.allocated // 512
     entry.st_atime_ns = inode.atime_ns
     entry.st_mtime_ns = inode.mtime_ns
@@ -211,6 +217,7 @@ class KvfsOperations(pyfuse3.Operations):
         super().__init__()
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine)
+        self._readdir_fits = READDIR_PAGE  # entries that fill a readdir reply, about
         self.files = files
         self.space = space
         self.stats = stats
@@ -377,14 +384,18 @@ class KvfsOperations(pyfuse3.Operations):
         timeout = self.caching.entry
         after = start_id
         while True:  # in pages: a huge directory is never read whole
-            page = await self.meta_call(self.meta.readdir_page, fh, after, READDIR_PAGE)
-            for name, inode, cookie in page:
+            wanted = self._readdir_fits
+            page = await self.meta_call(self.meta.readdir_page, fh, after, wanted)
+            for sent, (name, inode, cookie) in enumerate(page):
                 if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
                                              cookie):
+                    # The kernel's buffer is full: the next page is read to its size.
+                    self._readdir_fits = sent + READDIR_SLACK
                     return
                 after = cookie
-            if len(page) < READDIR_PAGE:
+            if len(page) < wanted:
                 break
+            self._readdir_fits = min(2 * wanted, READDIR_PAGE)
         for name, inode in self.control.entries(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
                                          inode.ino):

@@ -71,6 +71,7 @@ class NamespaceOps(MetaBase):
     def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
         prefix = u64(parent)
+        unpack = Inode.unpack
         with self.engine.snapshot() as txn:
             entries = takewhile(lambda entry: entry[0][:8] == prefix,
                                 txn.scan("dirlist", prefix + u64(after + 1)))
@@ -78,8 +79,7 @@ class NamespaceOps(MetaBase):
                 children = txn.get_many("inode", [bytes(value[:8]) for _, value in batch])
                 for (key, value), child in zip(batch, children, strict=True):
                     if child is not None:
-                        yield (bytes(value[8:]), Inode.unpack(from_u64(value), child),
-                               from_u64(key[8:]))
+                        yield bytes(value[8:]), unpack(from_u64(value), child), from_u64(key[8:])
 
     def readdir_page(self, parent: int, after: int, limit: int
                      ) -> list[tuple[bytes, Inode, int]]:

@@ -136,10 +136,9 @@ class Inode(NamedTuple):
 
     @classmethod
     def unpack(cls, ino: int, raw: bytes) -> Inode:
-        (mode, nlink, uid, gid, rdev, size, allocated, atime_ns, mtime_ns, ctime_ns, parent, blob,
-         version) = _INODE.unpack_from(raw)
-        return cls(ino, mode, nlink, uid, gid, rdev, size, allocated, atime_ns, mtime_ns, ctime_ns,
-                   parent, blob, version, bytes(raw[_INODE.size:]))
+        # The record holds the fields from mode to version in order (tuple.__new__: a
+        # listing makes one per entry, and the generated __new__ costs several times more).
+        return tuple.__new__(cls, (ino, *_INODE.unpack_from(raw), bytes(raw[_INODE.size:])))
 
 
 @dataclass(frozen=True, slots=True)
