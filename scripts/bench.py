@@ -64,6 +64,8 @@ from rich.console import Console
 from rich.table import Table
 from vllm_tier import VLLM_DIR, run_worker
 
+from kvfs.verify import HASH_QUIET_SECONDS
+
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
 TARGETS = ("plain", "kvfs")
@@ -351,8 +353,10 @@ class Bench:
 
     def settled_daemon_cpu(self) -> float:
         """daemon_cpu() once the daemon is idle: what it does after a writer's close (sums of
-        blobs the kernel wrote) counts against those writes, not against what comes next."""
+        blobs the kernel wrote) counts against those writes, not against what comes next.
+        Those sums wait until writers have been quiet for HASH_QUIET_SECONDS first."""
         deadline = time.monotonic() + 30
+        time.sleep(HASH_QUIET_SECONDS)
         before = self.daemon_cpu()
         while True:
             time.sleep(0.2)
