@@ -66,11 +66,17 @@ def blob_bytes(data: Path) -> int:
 
 
 def settle(mountpoint: Path) -> None:
-    """Wait until background eviction has brought usage under the high watermark."""
+    """Wait until background eviction is done: usage under the high watermark and no longer
+    falling (it runs every 0.25 s and evicts down to the low watermark file by file, so usage
+    under the high one alone can come in the middle of it)."""
     deadline = time.monotonic() + 10
-    while used_bytes(mountpoint) > 0.95 * capacity_bytes(mountpoint) and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
+    last = -1
+    while time.monotonic() < deadline:
+        used = used_bytes(mountpoint)
+        if used <= 0.95 * capacity_bytes(mountpoint) and used == last:
+            return
+        last = used
+        time.sleep(0.5)
 
 
 class UsageSampler(threading.Thread):
