@@ -253,9 +253,8 @@ class _LayeredTxn:
         if self._unlayered(family):
             return self._txn.get(key, db=self._dbs[family])
         value, delta = self._pending(family, key)
-        if isinstance(value, Keep):
-            return _layered_on(self._txn.get(key, db=self._dbs[family]), value, delta)
-        return _layered_on(None, value, delta)
+        stored = self._txn.get(key, db=self._dbs[family]) if isinstance(value, Keep) else None
+        return _layered_on(stored, value, delta)
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
         if self._unlayered(family):

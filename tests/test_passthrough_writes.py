@@ -399,9 +399,9 @@ def test_sums_wait_while_kernel_writers_keep_committing(roomy: KvfsMount) -> Non
     for name, payload in payloads.items():
         fd = os.open(root / name, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
         try:
-            buffer = mmap.mmap(-1, len(payload))  # page-aligned, as O_DIRECT wants
-            buffer.write(payload)
-            assert os.write(fd, buffer) == len(payload)
+            with mmap.mmap(-1, len(payload)) as buffer:  # page-aligned, as O_DIRECT wants
+                buffer.write(payload)
+                assert os.write(fd, buffer) == len(payload)
         finally:
             os.close(fd)
         time.sleep(0.02)
