@@ -159,6 +159,15 @@ def check_file_size(size: int) -> None:
         raise fail(errno.EFBIG)
 
 
+def check_blob_size(fd: int, info: BlobInfo) -> None:
+    """ChecksumError unless a blob's data file has the size committed (all that can be
+    checked of a blob whose sums are pending)."""
+    size = os.fstat(fd).st_size
+    if size != info.size:
+        raise ChecksumError(f"blob {info.blob_id:016x}: data file has {size} bytes, "
+                            f"expected {info.size}")
+
+
 def allocated_bytes(fd: int, size: int) -> int:
     """Bytes a file takes on the volume, not counting preallocation past its end (XFS)."""
     return _allocated(os.fstat(fd), size)
@@ -350,8 +359,8 @@ class DataStore:
             return "data file missing"
         try:
             if info.pending:
-                size = os.fstat(fd).st_size
-                return None if size == info.size else f"{size} bytes, expected {info.size}"
+                check_blob_size(fd, info)
+                return None
             buffer = bytearray(info.block_size)
             for first, count in self.data_runs(fd, info, VERIFY_RUN_BLOCKS):
                 self.check_run(fd, info, first, count, buffer)

@@ -37,6 +37,7 @@ from kvfs.data import (
     DataStore,
     aligned_buffer,
     block_sums,
+    check_blob_size,
     uncached,
 )
 from kvfs.meta import MetaStore
@@ -169,19 +170,24 @@ class LateHasher:
         self.stats = stats
         self._in_memory: deque[int] = deque()
         self._on_volume: deque[tuple[int, float]] = deque()  # (blob, when wanted)
-        self._last_wanted = 0.0
+        self._last_busy = 0.0
         self._wanted = trio.Event()
         self._running: dict[int, trio.Event] = {}
 
     def want(self, blob_id: int, on_volume: bool = False) -> None:
         """`on_volume`: its bytes are not in memory (an O_DIRECT writer's): held until the
-        writers are quiet."""
-        self._last_wanted = time.monotonic()  # (also called before the loop runs)
+        kernel's I/O is quiet."""
+        self.kernel_busy()  # (also called before the loop runs)
         if on_volume:
-            self._on_volume.append((blob_id, self._last_wanted))
+            self._on_volume.append((blob_id, self._last_busy))
         else:
             self._in_memory.append(blob_id)
         self._wanted.set()
+
+    def kernel_busy(self) -> None:
+        """The kernel writes or reads blobs without sums (a commit, an open): sums read
+        from the volume would take its bandwidth now."""
+        self._last_busy = time.monotonic()
 
     async def run(self) -> None:
         """Background: take the sums of wanted blobs in turn (those on the volume once
@@ -204,11 +210,11 @@ class LateHasher:
                     log.exception("taking the block sums of blob %016x failed", blob_id)
 
     async def _writers_quiet(self) -> bool:
-        """Wait until kernel writers have committed nothing for HASH_QUIET_SECONDS, or the
+        """Wait until the kernel has been quiet (`kernel_busy`) for HASH_QUIET_SECONDS, or the
         oldest blob on the volume has waited HASH_DELAY_SECONDS; False, at once, when a blob
         in memory is wanted meanwhile."""
         while not self._in_memory:
-            due = min(self._last_wanted + HASH_QUIET_SECONDS,
+            due = min(self._last_busy + HASH_QUIET_SECONDS,
                       self._on_volume[0][1] + HASH_DELAY_SECONDS)
             now = time.monotonic()
             if now >= due:
@@ -254,10 +260,7 @@ def take_sums(meta: MetaStore, data: DataStore, blob_id: int) -> tuple[int, int]
     except FileNotFoundError:
         return None  # removed meanwhile
     try:
-        size = os.fstat(fd).st_size
-        if size != info.size:
-            raise ChecksumError(f"blob {blob_id:016x}: data file has {size} bytes, "
-                                f"expected {info.size}")
+        check_blob_size(fd, info)
         # One thread: the writers and readers keep the other cores.
         resident = wholly_resident(fd, info.size)
         with contextlib.nullcontext(fd) if resident else uncached(fd) as read_fd:

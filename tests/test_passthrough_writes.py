@@ -27,7 +27,7 @@ import pyfuse3
 import pytest
 from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, stats, wait_for
 from test_crash import fsck_clean
-from test_passthrough import errno_of
+from test_passthrough import errno_of, read_all
 
 from kvfs.engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
@@ -393,24 +393,44 @@ def test_sums_are_taken_after_close_and_guard_the_data(roomy: KvfsMount) -> None
 def test_sums_wait_while_kernel_writers_keep_committing(roomy: KvfsMount) -> None:
     """Reading back what O_DIRECT writers wrote would take the volume from them: the late
     sums wait until commits pause (kvfs/verify.py, HASH_QUIET_SECONDS = 0.5 s; here they
-    come every 20 ms), then all are taken; an open meanwhile takes its blob's sums itself."""
+    come every 20 ms), then all are taken. Readers the kernel serves open such blobs
+    without their sums (buffered and O_DIRECT): the sums would come from the same volume."""
     root = roomy.mountpoint
     payloads = {f"b{index:02d}": os.urandom(MiB) for index in range(40)}
     for name, payload in payloads.items():
-        fd = os.open(root / name, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
-        try:
-            with mmap.mmap(-1, len(payload)) as buffer:  # page-aligned, as O_DIRECT wants
-                buffer.write(payload)
-                assert os.write(fd, buffer) == len(payload)
-        finally:
-            os.close(fd)
+        write_direct(root / name, payload)
         time.sleep(0.02)
     assert stats(root)["hashed_after_close"] == 0, "no sums taken during the burst"
-    assert (root / "b07").read_bytes() == payloads["b07"]  # its open took its sums
-    assert stats(root)["hashed_after_close"] == 1
+    assert (root / "b07").read_bytes() == payloads["b07"]
+    read_all(root, {"b08": payloads["b08"]}, os.O_DIRECT)
+    shown = stats(root)
+    assert shown["hashed_after_close"] == 0 and shown["opens_passthrough"] == 2, shown
     assert wait_for(lambda: stats(root)["hashed_after_close"] == len(payloads))
     assert_counters_exact(root, roomy.data)
     verified_after_remount(roomy, payloads)
+
+
+def test_a_blob_without_sums_of_the_wrong_size_is_eio_at_open(roomy: KvfsMount) -> None:
+    """An open before the sums are taken still checks what it can: the data file's size
+    (here cut short behind kvfs, before or after the sums: EIO either way)."""
+    root = roomy.mountpoint
+    write_direct(root / "victim", os.urandom(2 * MiB))
+    [data_file] = blob_files(roomy.data)
+    os.truncate(data_file, MiB)
+    assert errno_of((root / "victim").read_bytes) == errno.EIO
+    assert wait_for(lambda: not (root / "victim").exists())
+    assert stats(root)["checksum_errors"] == 1
+    assert_counters_exact(root, roomy.data)
+
+
+def write_direct(path: Path, payload: bytes) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        with mmap.mmap(-1, len(payload)) as buffer:  # page-aligned, as O_DIRECT wants
+            buffer.write(payload)
+            assert os.write(fd, buffer) == len(payload)
+    finally:
+        os.close(fd)
 
 
 def mark_pending(data: Path, blob_ids: list[int], rebooted: bool) -> None:

@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import trio
 
-from kvfs.data import ChecksumError, check_file_size
+from kvfs.data import ChecksumError, check_blob_size, check_file_size
 from kvfs.files.state import (
     WRITER_WAIT_SECONDS,
     Backing,
@@ -59,6 +59,7 @@ from kvfs.loads import OTHER
 from kvfs.meta import Inode
 from kvfs.models import model_of
 from kvfs.records import BlobInfo, FsError, fail
+from kvfs.verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class FileTable(WritingOps):
             inode, blob = await self._content(inode.ino)
         inode, blob = await self._hold(inode, blob)
         try:
+            if blob is not None and blob.pending and not self._sums_may_wait(writable, flags):
+                blob = await self._take_sums(inode, blob)
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
                 assert blob is not None and fd is not None  # a blob: _open_blob opened it
@@ -138,8 +141,11 @@ class FileTable(WritingOps):
         if self.passthrough.available():
             if writable:
                 return await self._open_writer(state, handle, flags)
-            return self._open_for_passthrough(state, handle,
-                                              self._passes_through(writable, flags, blob))
+            opened = self._open_for_passthrough(state, handle,
+                                                self._passes_through(writable, flags, blob))
+            if not handle.backing and blob is not None and blob.pending:
+                handle.blob = await self._take_sums(inode, blob)  # the daemon checks its reads
+            return opened
         self.stats.opens_daemon += not writable
         keep = self._cached_version.get(inode.ino) == inode.version
         first_read = self._read_directly.get(inode.ino) != inode.version
@@ -154,18 +160,31 @@ class FileTable(WritingOps):
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
     async def _content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
-        """The inode and its blob record, with block sums: those of a blob the kernel wrote
-        are taken first if the background has not yet (EIO, the file dropped, if its data
-        file is not what was committed)."""
-        inode, blob = await self.meta_call(self.meta.content, ino)
-        if blob is not None and blob.pending:
-            try:
-                await self.hasher.take_sums(blob.blob_id)
-            except ChecksumError as error:
-                await self._drop_damaged(inode, str(error), blob)
-                raise fail(errno.EIO) from None
-            inode, blob = await self.meta_call(self.meta.content, ino)
-        return inode, blob
+        """The inode and its blob record (its block sums may still be pending)."""
+        return await self.meta_call(self.meta.content, ino)
+
+    def _sums_may_wait(self, writable: bool, flags: int) -> bool:
+        """Whether a blob the kernel wrote may be opened before its block sums are taken:
+        by a reader the kernel serves, under `--verify once`. The sums would be read from the
+        same volume the reader reads, so taking them first checks nothing for this reader;
+        it only reads the blob twice (LMCache's local_disk retrieving right after a store ran
+        at half speed). The daemon's own reads check each block, so they need the sums."""
+        return (self.verifier.mode is VerifyMode.ONCE and self.passthrough.available()
+                and not writable and self.passthrough.takes(flags))
+
+    async def _take_sums(self, inode: Inode, blob: BlobInfo) -> BlobInfo:
+        """Take the block sums of a blob the kernel wrote, if the background has not yet;
+        its record with them (EIO, the file dropped, if its data file is not what was
+        committed; ENOENT if it was removed meanwhile)."""
+        try:
+            await self.hasher.take_sums(blob.blob_id)
+        except ChecksumError as error:
+            await self._drop_damaged(inode, str(error), blob)
+            raise fail(errno.EIO) from None
+        summed = await self.meta_call(self.meta.blob_info, blob.blob_id)
+        if summed is None:
+            raise fail(errno.ENOENT)
+        return summed
 
     async def _hold(self, inode: Inode, blob: BlobInfo | None
                     ) -> tuple[Inode, BlobInfo | None]:
@@ -205,9 +224,16 @@ class FileTable(WritingOps):
 
     async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int, direct: bool) -> None:
         """Check every block before the kernel may read the blob, unless the mount's verify
-        mode says an earlier check still holds (EIO and the file dropped if one is bad)."""
+        mode says an earlier check still holds (EIO and the file dropped if one is bad). A
+        blob whose sums are still pending (`_sums_may_wait`) has only its size checked, and
+        its opening holds the sums back like a kernel writer's commit: they come once the
+        kernel's I/O on such blobs is quiet."""
         try:
-            await self.verifier.verify(fd, blob, direct)
+            if blob.pending:
+                self.hasher.kernel_busy()
+                check_blob_size(fd, blob)
+            else:
+                await self.verifier.verify(fd, blob, direct)
         except ChecksumError as error:
             os.close(fd)
             await self._drop_damaged(inode, str(error), blob)
