@@ -96,7 +96,11 @@ class Engine(Protocol):
     shared: bool  # whether other hosts use the same metadata at the same time
     conflicts: int  # changes run again because another change got in their way
 
-    def snapshot(self) -> AbstractContextManager[Txn]: ...
+    def snapshot(self, cached: bool = False) -> AbstractContextManager[Txn]:
+        """Reads of one moment (a shared engine: of Redis now). `cached`: names and
+        attributes may come from what this host last saw of them, trailing another host's
+        change until its announcement arrives: for answers the kernel caches anyway."""
+        ...
 
     def change(self, change: Callable[[Txn], T]) -> T:
         """Run `change` in a transaction; returns once it is visible to every later read and
@@ -435,7 +439,7 @@ class LmdbEngine:
             floor = int(raw) if raw else 0
         return _LayeredTxn(lmdb_txn, self._dbs, layers, self._seq, writes, floor), lmdb_txn
 
-    def snapshot(self) -> _LayeredSnapshot:
+    def snapshot(self, cached: bool = False) -> _LayeredSnapshot:
         with self._lock:
             txn, lmdb_txn = self._view(None)
         return _LayeredSnapshot(txn, lmdb_txn)

@@ -243,7 +243,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def _attributes(self, ino: int) -> Inode:
         if self.control.owns(ino):
             return self.control.attributes(ino)
-        return await self.files.attributes(ino)
+        return await self.files.attributes(ino, cached=True)
 
     def _entry(self, inode: Inode) -> EntryAttributes:
         """Attributes of a file being written are not cached: its size and times change at
@@ -268,7 +268,7 @@ class KvfsOperations(pyfuse3.Operations):
         if control is not None:
             return self._entry(control)
         started = time.monotonic()
-        inode = await self.meta_call(self.meta.lookup, parent_inode, name)
+        inode = await self.meta_call(self.meta.lookup, parent_inode, name, True)
         racing = self.notifier.changed_since(parent_inode, name, started)
         if inode is None:
             self.stats.lookup_misses += 1

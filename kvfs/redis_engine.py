@@ -35,6 +35,11 @@ publishes their keys on `{kvfs}:changes` inside its MULTI, tagged with the writi
 id; every mount subscribes (`watch`) and invalidates those names and attributes in its own
 kernel, so that kernels may cache them for seconds and still see other hosts' changes within
 milliseconds. A lookup reads a name's entry and its inode in one round trip (a script).
+Changes read those records from a cache of what this host last read or wrote of them
+(`RecordCache`), missing names too, without a round trip: their commit script checks every
+read, so a stale one only makes the change run again, and the announcements keep that rare.
+Reads outside a change go to Redis, except the kernel's lookups and getattrs (`cached`
+snapshots), whose answers the kernel would cache under the same announcements anyway.
 
 When Redis cannot be reached, a request fails with EIO after two attempts (each at most 1 s to
 connect, 2 s to answer), and requests fail at once for the next half second; the pool of
@@ -52,8 +57,9 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from typing import NoReturn, TypeVar, cast
+from collections.abc import Callable, Iterable, Iterator
+from enum import Enum
+from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
 import redis
@@ -86,6 +92,8 @@ _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
 _KEY_LENGTH = struct.Struct(">H")
 ENGINE_ID_BYTES = 8
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
+CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (then it starts over)
+STAMP_BUCKETS = 4096  # a change of a record bumps its bucket's stamp (a power of two)
 # KEYS: the records a change read, then one key per write; ARGV: how many were read, what
 # each held ("" if absent, else "=" + value), then per write: op, key index (0: none), a, b.
 COMMIT_SCRIPT = """
@@ -186,13 +194,102 @@ def announced(message: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
     return message[:ENGINE_ID_BYTES], changed
 
 
-class _Reader:
-    """Reads straight from Redis: what a snapshot is for this engine (no isolation; the
-    metadata store rereads where two records must agree)."""
+class _Cached(Enum):
+    MISS = 0  # not in the cache (None there is a record known to be absent)
 
-    def __init__(self, engine: RedisEngine) -> None:
+
+Cached = bytes | None | Literal[_Cached.MISS]
+
+
+class RecordCache:
+    """What this host last read or wrote of the records kernels cache (ANNOUNCED: names
+    and attributes), for changes to read: their commit script checks each read, so a stale
+    one makes the change run again (`RedisEngine.change` drops what it read), never go
+    wrong. Kept only while other hosts' announcements reach this host (`enable`), each
+    dropping what it names, so that stale reads stay rare. A read is kept only if no change
+    of its record came while it was on its way: every change bumps the stamp of the
+    record's bucket, and what was read under an older stamp is not kept. Thread-safe: the
+    daemon's worker threads share one."""
+
+    def __init__(self) -> None:
+        self._records: dict[bytes, bytes | None] = {}
+        self._stamps = [0] * STAMP_BUCKETS
+        self._lock = threading.Lock()
+        self._on = False
+        self.changes = 0  # of any record (`keep_if_quiet`)
+
+    @staticmethod
+    def cacheable(family: str) -> bool:
+        return family in ANNOUNCED
+
+    def get(self, record: bytes) -> Cached:
+        return self._records.get(record, _Cached.MISS)
+
+    def stamps(self, records: Iterable[bytes]) -> list[int]:
+        """To be taken before the records are read (`keep`) or written (`wrote`)."""
+        return [self._stamps[hash(record) % STAMP_BUCKETS] for record in records]
+
+    def keep(self, records: list[bytes], values: list[bytes | None], stamps: list[int]
+             ) -> None:
+        """Keep what was read under `stamps`, unless changed meanwhile."""
+        if not self._on:
+            return
+        with self._lock:
+            if len(self._records) + len(records) > CACHED_RECORDS:
+                self._records.clear()
+            for record, value, stamp in zip(records, values, stamps, strict=True):
+                if self._stamps[hash(record) % STAMP_BUCKETS] == stamp:
+                    self._records[record] = value
+
+    def keep_if_quiet(self, record: bytes, value: bytes | None, changes: int) -> None:
+        """Keep a record read when `changes` was the count of all changes, if there was no
+        change at all since (for a record whose key was not known before its read)."""
+        if not self._on:
+            return
+        with self._lock:
+            if self.changes == changes:
+                self._records[record] = value
+
+    def wrote(self, written: list[tuple[bytes, bytes | None]], stamps: list[int]) -> None:
+        """A change of this host's committed these (record, value): reads on their way are
+        stale; the values are kept unless another change of the same bucket came meanwhile."""
+        with self._lock:
+            for (record, value), stamp in zip(written, stamps, strict=True):
+                bucket = hash(record) % STAMP_BUCKETS
+                if self._on and self._stamps[bucket] == stamp:
+                    self._records[record] = value
+                else:
+                    self._records.pop(record, None)
+                self._stamps[bucket] += 1
+            self.changes += 1
+
+    def drop(self, records: Iterable[bytes]) -> None:
+        """Another host changed these (or a change of this host's found them stale)."""
+        with self._lock:
+            for record in records:
+                self._stamps[hash(record) % STAMP_BUCKETS] += 1
+                self._records.pop(record, None)
+            self.changes += 1
+
+    def enable(self, on: bool) -> None:
+        """On once announcements reach this host, off when they may not: either way what
+        is kept goes (announcements were missed meanwhile)."""
+        with self._lock:
+            self._records.clear()
+            self._stamps = [stamp + 1 for stamp in self._stamps]
+            self.changes += 1
+            self._on = on
+
+
+class _Reader:
+    """Reads straight from Redis (or, `cached`, from the cache where it has the record):
+    what a snapshot is for this engine (no isolation; the metadata store rereads where two
+    records must agree)."""
+
+    def __init__(self, engine: RedisEngine, cached: bool) -> None:
         self.engine = engine
         self.client = engine.client
+        self.cached = cached
 
     def __enter__(self) -> _Reader:
         return self
@@ -201,20 +298,15 @@ class _Reader:
         pass
 
     def get(self, family: str, key: bytes) -> bytes | None:
-        return _reply(self.engine.call(self.client.get, _record_key(family, key)))
+        return self.engine.read(family, [_record_key(family, key)], self.cached)[0]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
-        if not keys:
-            return []
-        return _replies(self.engine.call(self.client.mget,
-                                         [_record_key(family, key) for key in keys]))
+        return self.engine.read(family, [_record_key(family, key) for key in keys],
+                                self.cached)
 
     def get_through(self, family: str, key: bytes, to_family: str
                     ) -> tuple[bytes | None, bytes | None]:
-        record, referred = self.engine.call(self.engine.lookup_script,
-                                            [_record_key(family, key)],
-                                            [_record_key(to_family, b"")])
-        return record, referred
+        return self.engine.read_through(family, key, to_family, self.cached)
 
     def count(self, family: str, key: bytes) -> int:
         raw = self.engine.call(self.client.hget, _counter_key(family), key)
@@ -255,7 +347,7 @@ class _Change:
             return None
         record = _record_key(family, key)
         if record not in self.read:
-            self.read[record] = _reply(self.client.get(record))
+            self.read[record] = self.engine.read(family, [record])[0]
         return self.read[record]
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
@@ -265,7 +357,7 @@ class _Change:
                    if (family, key) not in self.writes}
         unread = [record for record in records.values() if record not in self.read]
         if unread:
-            self.read.update(zip(unread, _replies(self.client.mget(unread)), strict=True))
+            self.read.update(zip(unread, self.engine.read(family, unread), strict=True))
         return [self.writes[family, key] if (family, key) in self.writes
                 else self.read[records[key]] for key in keys]
 
@@ -274,7 +366,7 @@ class _Change:
         record = _record_key(family, key)
         if (family, key) in self.writes or record in self.read:
             return get_through(self, family, key, to_family)
-        entry, referred = self.engine.lookup_script([record], [_record_key(to_family, b"")])
+        entry, referred = self.engine.read_through(family, key, to_family)
         self.read[record] = entry
         if entry is None:
             return None, None
@@ -381,8 +473,18 @@ class _Change:
         return bool(applied)
 
     def commit(self) -> None:
-        if not self._run_script(with_writes=True):
+        cache = self.engine.cache
+        written = [(_record_key(family, key), value)
+                   for (family, key), value in self.writes.items() if cache.cacheable(family)]
+        stamps = cache.stamps(record for record, _ in written)
+        try:
+            applied = self._run_script(with_writes=True)
+        except BaseException:
+            cache.drop(record for record, _ in written)  # applied or not: not known
+            raise
+        if not applied:
             raise redis.WatchError("a record this change read has changed")
+        cache.wrote(written, stamps)
 
     def still_valid(self) -> bool:
         return self._run_script(with_writes=False)
@@ -406,6 +508,7 @@ class RedisEngine:
         self._room = (0.0, True)
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
+        self.cache = RecordCache()
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -442,8 +545,8 @@ class RedisEngine:
 
     # -- the Engine interface ------------------------------------------------------------
 
-    def snapshot(self) -> _Reader:
-        return _Reader(self)
+    def snapshot(self, cached: bool = False) -> _Reader:
+        return _Reader(self, cached)
 
     def change(self, change: Callable[[_Change], T]) -> T:
         for attempt in range(CHANGE_ATTEMPTS):
@@ -461,10 +564,56 @@ class RedisEngine:
                     # is the change's answer.
                     if self._down_until or self.call(txn.still_valid):
                         raise
+            self.cache.drop(txn.read)  # (what it read may have come stale from the cache)
             self.conflicts += 1
             time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)))
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)
+
+    def read(self, family: str, records: list[bytes], cached: bool = True
+             ) -> list[bytes | None]:
+        """Records (their Redis keys) of one family: from the cache where it has them
+        (`cached`: for a change, whose commit checks them), the rest in one round trip."""
+        if not self.cache.cacheable(family):
+            return self._fetch(records)
+        found: list[Cached] = ([self.cache.get(record) for record in records] if cached
+                               else [_Cached.MISS] * len(records))
+        missing = [record for record, value in zip(records, found, strict=True)
+                   if value is _Cached.MISS]
+        if not missing:
+            return cast("list[bytes | None]", found)
+        stamps = self.cache.stamps(missing)
+        fetched = self._fetch(missing)
+        self.cache.keep(missing, fetched, stamps)
+        by_record = dict(zip(missing, fetched, strict=True))
+        return [by_record[record] if value is _Cached.MISS else value
+                for record, value in zip(records, found, strict=True)]
+
+    def _fetch(self, records: list[bytes]) -> list[bytes | None]:
+        if len(records) == 1:
+            return [_reply(self.call(self.client.get, records[0]))]
+        return _replies(self.call(self.client.mget, records)) if records else []
+
+    def read_through(self, family: str, key: bytes, to_family: str, cached: bool = True
+                     ) -> tuple[bytes | None, bytes | None]:
+        """A record and the `to_family` record its value's first 8 bytes name (a name's
+        entry and its inode): from the cache (`cached`, as in `read`), or in one round trip
+        (a script)."""
+        record = _record_key(family, key)
+        entry = self.cache.get(record) if cached else _Cached.MISS
+        if entry is not _Cached.MISS:
+            if entry is None:
+                return None, None
+            return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))])[0]
+        prefix = _record_key(to_family, b"")
+        [stamp], changes = self.cache.stamps([record]), self.cache.changes
+        fetched, referred = self.call(self.lookup_script, [record], [prefix])
+        self.cache.keep([record], [fetched], [stamp])
+        if fetched is None:
+            return None, None
+        if self.cache.cacheable(to_family):  # (its key was not known before the read)
+            self.cache.keep_if_quiet(prefix + bytes(fetched[:8]), referred, changes)
+        return fetched, referred
 
     def allocate(self, key: bytes, count: int) -> int:
         """Add `count` to the counter `key`; returns its new value."""
@@ -504,6 +653,7 @@ class RedisEngine:
                     if message is None:
                         continue
                     if message["type"] == "subscribe":  # also redis-py's own resubscribe
+                        self.cache.enable(True)
                         self._subscribed = True
                     elif message["type"] == "message":
                         self._deliver(message["data"], changed)
@@ -513,6 +663,7 @@ class RedisEngine:
                 self._closing.wait(DOWN_SECONDS)
             finally:
                 self._subscribed = False
+                self.cache.enable(False)
                 pubsub.close()
 
     def _deliver(self, message: bytes, changed: Callable[[str, bytes], None]) -> None:
@@ -522,7 +673,8 @@ class RedisEngine:
             log.error("an announcement that is not one: %r", message[:64])
             return
         if sender == self.id:
-            return  # this host's own kernel saw its changes
+            return  # this host's own kernel and cache saw its changes
+        self.cache.drop(_record_key(family, key) for family, key in records)  # kernel's after
         for family, key in records:
             try:
                 changed(family, key)

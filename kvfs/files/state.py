@@ -199,14 +199,15 @@ class FileState:
         self._doomed_when_published: set[int] = set()
         self._reap_wanted = trio.Event()
 
-    async def attributes(self, ino: int) -> Inode:
+    async def attributes(self, ino: int, cached: bool = False) -> Inode:
         """The committed inode (also of files unlinked while open), with the size of what
         its latest writer on this host wrote: the kernel keeps one size per inode, and a
         writer's fstat and SEEK_END must see its own writes (other handles still read the
-        version they opened)."""
+        version they opened). `cached`: for the kernel's attribute cache (`Engine.snapshot`).
+        """
         state = self._open.get(ino)
         inode = (state.inode if state and state.unlinked
-                 else await self.meta_call(self.meta.get, ino))
+                 else await self.meta_call(self.meta.get, ino, cached))
         state = self._open.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode

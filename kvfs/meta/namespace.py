@@ -35,14 +35,16 @@ class NamespaceOps(MetaBase):
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, ino: int) -> Inode:
-        with self.engine.snapshot() as txn:
+    def get(self, ino: int, cached: bool = False) -> Inode:
+        """`cached`: for the kernel's attribute cache (`Engine.snapshot`)."""
+        with self.engine.snapshot(cached) as txn:
             return self._get(txn, ino)
 
-    def lookup(self, parent: int, name: bytes) -> Inode | None:
+    def lookup(self, parent: int, name: bytes, cached: bool = False) -> Inode | None:
+        """`cached`: for the kernel's name cache (`Engine.snapshot`)."""
         if len(name) > NAME_MAX:
             raise fail(errno.ENAMETOOLONG)
-        with self.engine.snapshot() as txn:
+        with self.engine.snapshot(cached) as txn:
             return self._child(txn, parent, name)
 
     def watch_others(self, name_changed: Callable[[int, bytes], None],
