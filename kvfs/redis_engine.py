@@ -634,6 +634,8 @@ class RedisEngine:
         return True
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
+        if self._watcher is not None:
+            raise RuntimeError("this engine already watches other hosts' changes")
         self._watcher = threading.Thread(target=self._listen, args=(changed,),
                                          name="kvfs-watch", daemon=True)
         self._watcher.start()
