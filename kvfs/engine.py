@@ -23,6 +23,7 @@ never counted twice (counters are deltas).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
@@ -137,7 +138,16 @@ class Engine(Protocol):
         """Whether other hosts' changes reach `watch`'s callback now (none are missed)."""
         ...
 
+    def from_memory(self) -> AbstractContextManager[None]:
+        """Within it (on the calling thread), a `cached` snapshot read that would need a
+        round trip raises RoundTripNeeded instead: the loop tries such reads itself first."""
+        ...
+
     def close(self) -> None: ...
+
+
+class RoundTripNeeded(Exception):
+    """A read inside `Engine.from_memory` that only a round trip can answer."""
 
 
 class ChangesPending(Exception):
@@ -505,6 +515,9 @@ class LmdbEngine:
 
     def watching(self) -> bool:
         return True
+
+    def from_memory(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # every read is: the map is in memory
 
     def close(self) -> None:
         if self._committer is not None:

@@ -58,6 +58,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
@@ -66,7 +67,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvfs.engine import get_through
+from kvfs.engine import RoundTripNeeded, get_through
 from kvfs.records import fail
 
 log = logging.getLogger(__name__)
@@ -509,6 +510,7 @@ class RedisEngine:
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
         self.cache = RecordCache()
+        self._memory_only = threading.local()  # `from_memory` on this thread
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -589,7 +591,20 @@ class RedisEngine:
         return [by_record[record] if value is _Cached.MISS else value
                 for record, value in zip(records, found, strict=True)]
 
+    @contextmanager
+    def from_memory(self) -> Iterator[None]:
+        self._memory_only.on = True
+        try:
+            yield
+        finally:
+            self._memory_only.on = False
+
+    def _round_trip_allowed(self) -> None:
+        if getattr(self._memory_only, "on", False):
+            raise RoundTripNeeded
+
     def _fetch(self, records: list[bytes]) -> list[bytes | None]:
+        self._round_trip_allowed()
         if len(records) == 1:
             return [_reply(self.call(self.client.get, records[0]))]
         return _replies(self.call(self.client.mget, records)) if records else []
@@ -605,6 +620,7 @@ class RedisEngine:
             if entry is None:
                 return None, None
             return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))])[0]
+        self._round_trip_allowed()
         prefix = _record_key(to_family, b"")
         [stamp], changes = self.cache.stamps([record]), self.cache.changes
         fetched, referred = self.call(self.lookup_script, [record], [prefix])

@@ -27,7 +27,7 @@ import pytest
 from conftest import wait_for
 
 from kvfs.changelog import ChangeLog
-from kvfs.engine import APPLIED_KEY, Engine, LmdbEngine, Txn
+from kvfs.engine import APPLIED_KEY, Engine, LmdbEngine, RoundTripNeeded, Txn
 from kvfs.fsck import recount
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
@@ -931,6 +931,45 @@ def test_a_change_made_from_a_stale_cache_runs_again(pool: tuple[MetaStore, Meta
     changed = one.set_attrs(file.ino, uid=7)
     assert changed.mode & 0o777 == 0o600 and changed.uid == 7
     assert two.get(file.ino) == changed
+
+
+def test_cached_reads_come_from_memory_until_another_host_changes_them(
+        pool: tuple[MetaStore, MetaStore]) -> None:
+    """The kernel's lookups and getattrs (`cached` reads) are served from what the host
+    last saw, without a round trip (`from_memory`, where the daemon's loop tries them), and
+    stop being so once another host changes the record (its announcement drops it)."""
+    one, two = pool
+    if not two.engine.watching():
+        pytest.skip("only an engine told of other hosts' changes caches")
+    made = mkfile(one, b"x")
+    with two.engine.from_memory(), pytest.raises(RoundTripNeeded):
+        two.lookup(ROOT_INO, b"x", cached=True)  # never seen by this host
+
+    def in_memory() -> bool:
+        with two.engine.from_memory():
+            try:
+                return two.lookup(ROOT_INO, b"x", cached=True) == made
+            except RoundTripNeeded:
+                pass
+        # (a read that raced the announcement of `one`'s change is not kept)
+        assert two.lookup(ROOT_INO, b"x", cached=True) == made
+        return False
+    assert wait_for(in_memory)
+    with two.engine.from_memory():
+        assert two.get(made.ino, cached=True) == made
+        with pytest.raises(RoundTripNeeded):
+            two.get(made.ino)  # not a cached read: always Redis
+    changed = one.set_attrs(made.ino, mode=0o600)
+
+    def dropped() -> bool:
+        with two.engine.from_memory():
+            try:
+                two.get(made.ino, cached=True)
+            except RoundTripNeeded:
+                return True
+        return False
+    assert wait_for(dropped)
+    assert two.get(made.ino, cached=True) == changed
 
 
 def test_each_host_is_told_of_the_names_and_inodes_others_change(

@@ -206,8 +206,12 @@ class FileState:
         version they opened). `cached`: for the kernel's attribute cache (`Engine.snapshot`).
         """
         state = self._open.get(ino)
-        inode = (state.inode if state and state.unlinked
-                 else await self.meta_call(self.meta.get, ino, cached))
+        if state and state.unlinked:
+            inode = state.inode
+        elif cached:
+            inode = await self.meta_call.cached(self.meta.get, ino, True)
+        else:
+            inode = await self.meta_call(self.meta.get, ino)
         state = self._open.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode
