@@ -35,11 +35,12 @@ publishes their keys on `{kvfs}:changes` inside its MULTI, tagged with the writi
 id; every mount subscribes (`watch`) and invalidates those names and attributes in its own
 kernel, so that kernels may cache them for seconds and still see other hosts' changes within
 milliseconds. A lookup reads a name's entry and its inode in one round trip (a script).
-Changes read those records from a cache of what this host last read or wrote of them
-(`RecordCache`), missing names too, without a round trip: their commit script checks every
-read, so a stale one only makes the change run again, and the announcements keep that rare.
-Reads outside a change go to Redis, except the kernel's lookups and getattrs (`cached`
-snapshots), whose answers the kernel would cache under the same announcements anyway.
+Announcements carry the values written. Each host keeps a cache of those records
+(`RecordCache`): what it last read, wrote or was announced, missing names too. Changes read
+from it without a round trip: their commit script checks every read, so a stale one only
+makes the change run again. The kernel's lookups and getattrs (`cached` snapshots) read from
+it too, on the daemon's loop when it has the record (a name another host just stored is
+found without a round trip); everything else reads Redis.
 
 When Redis cannot be reached, a request fails with EIO after two attempts (each at most 1 s to
 connect, 2 s to answer), and requests fail at once for the next half second; the pool of
@@ -88,12 +89,16 @@ DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
 CHANGES_CHANNEL = PREFIX + b"changes"
-ANNOUNCED = {"dentry": b"d", "inode": b"i"}  # families kernels cache -> code in a message
+# Families kernels cache -> code in a message (capitals: the message carries the values;
+# hosts of one pool run one kvfs version).
+ANNOUNCED = {"dentry": b"D", "inode": b"I"}
 _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
 _KEY_LENGTH = struct.Struct(">H")
+_VALUE_LENGTH = struct.Struct(">I")
+REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
-CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (then it starts over)
+CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
 STAMP_BUCKETS = 4096  # a change of a record bumps its bucket's stamp (a power of two)
 # KEYS: the records a change read, then one key per write; ARGV: how many were read, what
 # each held ("" if absent, else "=" + value), then per write: op, key index (0: none), a, b.
@@ -177,21 +182,34 @@ def _counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
 
 
-def announcement(engine_id: bytes, changed: list[tuple[str, bytes]]) -> bytes:
-    """The message that tells other hosts which records a change wrote."""
-    return engine_id + b"".join(ANNOUNCED[family] + _KEY_LENGTH.pack(len(key)) + key
-                                for family, key in changed)
+def announcement(engine_id: bytes, changed: list[tuple[str, bytes, bytes | None]]) -> bytes:
+    """The message that tells other hosts which records a change wrote, and what (None:
+    removed): per record its family's code, the key and the value, each with its length."""
+    return engine_id + b"".join(
+        ANNOUNCED[family] + _KEY_LENGTH.pack(len(key)) + key
+        + (_VALUE_LENGTH.pack(REMOVED) if value is None
+           else _VALUE_LENGTH.pack(len(value)) + value)
+        for family, key, value in changed)
 
 
-def announced(message: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """(engine id, [(family, key)]) of an announcement."""
-    changed, at = [], ENGINE_ID_BYTES
+def announced(message: bytes) -> tuple[bytes, list[tuple[str, bytes, bytes | None]]]:
+    """(engine id, [(family, key, value)]) of an announcement."""
+    changed: list[tuple[str, bytes, bytes | None]] = []
+    at = ENGINE_ID_BYTES
     while at < len(message):
         family = _FAMILY_OF_CODE[message[at:at + 1]]
         (length,) = _KEY_LENGTH.unpack_from(message, at + 1)
         at += 1 + _KEY_LENGTH.size
-        changed.append((family, message[at:at + length]))
-        at += length
+        key = message[at:at + length]
+        (size,) = _VALUE_LENGTH.unpack_from(message, at + length)
+        at += length + _VALUE_LENGTH.size
+        if size == REMOVED:
+            changed.append((family, key, None))
+        else:
+            changed.append((family, key, message[at:at + size]))
+            at += size
+        if at > len(message):
+            raise struct.error("an announcement cut short")
     return message[:ENGINE_ID_BYTES], changed
 
 
@@ -203,17 +221,22 @@ Cached = bytes | None | Literal[_Cached.MISS]
 
 
 class RecordCache:
-    """What this host last read or wrote of the records kernels cache (ANNOUNCED: names
-    and attributes), for changes to read: their commit script checks each read, so a stale
+    """What this host last read, wrote or was pushed of the records kernels cache
+    (ANNOUNCED: names and attributes), kept only while other hosts' announcements reach this
+    host (`enable`). Changes read from it: their commit script checks each read, so a stale
     one makes the change run again (`RedisEngine.change` drops what it read), never go
-    wrong. Kept only while other hosts' announcements reach this host (`enable`), each
-    dropping what it names, so that stale reads stay rare. A read is kept only if no change
-    of its record came while it was on its way: every change bumps the stamp of the
-    record's bucket, and what was read under an older stamp is not kept. Thread-safe: the
-    daemon's worker threads share one."""
+    wrong. The kernel's lookups and getattrs read from it too (`cached` snapshots).
+
+    How it stays true: every change of a record bumps the stamp of the record's bucket, and
+    a read is kept only if its record's stamp did not move while it was on its way.
+    Announcements come in commit order and carry the values written: one sets the record
+    when it is absent or was set by an earlier announcement, and drops it otherwise (what
+    this host read or wrote itself cannot be ordered against it). Thread-safe: the daemon's
+    worker threads and the watcher share one."""
 
     def __init__(self) -> None:
-        self._records: dict[bytes, bytes | None] = {}
+        self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
+        self._pushed: set[bytes] = set()  # records whose value came with an announcement
         self._stamps = [0] * STAMP_BUCKETS
         self._lock = threading.Lock()
         self._on = False
@@ -236,11 +259,9 @@ class RecordCache:
         if not self._on:
             return
         with self._lock:
-            if len(self._records) + len(records) > CACHED_RECORDS:
-                self._records.clear()
             for record, value, stamp in zip(records, values, stamps, strict=True):
                 if self._stamps[hash(record) % STAMP_BUCKETS] == stamp:
-                    self._records[record] = value
+                    self._set(record, value)
 
     def keep_if_quiet(self, record: bytes, value: bytes | None, changes: int) -> None:
         """Keep a record read when `changes` was the count of all changes, if there was no
@@ -249,7 +270,7 @@ class RecordCache:
             return
         with self._lock:
             if self.changes == changes:
-                self._records[record] = value
+                self._set(record, value)
 
     def wrote(self, written: list[tuple[bytes, bytes | None]], stamps: list[int]) -> None:
         """A change of this host's committed these (record, value): reads on their way are
@@ -258,18 +279,30 @@ class RecordCache:
             for (record, value), stamp in zip(written, stamps, strict=True):
                 bucket = hash(record) % STAMP_BUCKETS
                 if self._on and self._stamps[bucket] == stamp:
-                    self._records[record] = value
+                    self._set(record, value)
                 else:
-                    self._records.pop(record, None)
+                    self._pop(record)
                 self._stamps[bucket] += 1
             self.changes += 1
 
+    def pushed(self, written: list[tuple[bytes, bytes | None]]) -> None:
+        """Another host committed these (record, value), announced in commit order."""
+        with self._lock:
+            for record, value in written:
+                self._stamps[hash(record) % STAMP_BUCKETS] += 1
+                if self._on and (record in self._pushed or record not in self._records):
+                    self._set(record, value)
+                    self._pushed.add(record)
+                else:
+                    self._pop(record)
+            self.changes += 1
+
     def drop(self, records: Iterable[bytes]) -> None:
-        """Another host changed these (or a change of this host's found them stale)."""
+        """A change of this host's found these stale."""
         with self._lock:
             for record in records:
                 self._stamps[hash(record) % STAMP_BUCKETS] += 1
-                self._records.pop(record, None)
+                self._pop(record)
             self.changes += 1
 
     def enable(self, on: bool) -> None:
@@ -277,9 +310,21 @@ class RecordCache:
         is kept goes (announcements were missed meanwhile)."""
         with self._lock:
             self._records.clear()
+            self._pushed.clear()
             self._stamps = [stamp + 1 for stamp in self._stamps]
             self.changes += 1
             self._on = on
+
+    def _set(self, record: bytes, value: bytes | None) -> None:
+        """(lock held) Set a record read or written here; the oldest go past the limit."""
+        self._pushed.discard(record)
+        self._records[record] = value
+        while len(self._records) > CACHED_RECORDS:
+            self._pop(next(iter(self._records)))
+
+    def _pop(self, record: bytes) -> None:
+        self._records.pop(record, None)
+        self._pushed.discard(record)
 
 
 class _Reader:
@@ -454,7 +499,8 @@ class _Change:
                     op(b"Z", set_key, key)
         for family, key, delta in self.adds:
             op(b"I", _counter_key(family), key, delta)
-        changed = [(family, key) for family, key in self.writes if family in ANNOUNCED]
+        changed = [(family, key, value) for (family, key), value in self.writes.items()
+                   if family in ANNOUNCED]
         if changed:
             op(b"P", None, CHANGES_CHANNEL, announcement(self.engine.id, changed))
         return keys, args
@@ -692,8 +738,9 @@ class RedisEngine:
             return
         if sender == self.id:
             return  # this host's own kernel and cache saw its changes
-        self.cache.drop(_record_key(family, key) for family, key in records)  # kernel's after
-        for family, key in records:
+        self.cache.pushed([(_record_key(family, key), value)  # before the kernel re-asks
+                           for family, key, value in records])
+        for family, key, _ in records:
             try:
                 changed(family, key)
             except Exception:

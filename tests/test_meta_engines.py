@@ -933,43 +933,40 @@ def test_a_change_made_from_a_stale_cache_runs_again(pool: tuple[MetaStore, Meta
     assert two.get(file.ino) == changed
 
 
-def test_cached_reads_come_from_memory_until_another_host_changes_them(
+def test_cached_reads_come_from_memory_pushed_by_the_host_that_changed_them(
         pool: tuple[MetaStore, MetaStore]) -> None:
-    """The kernel's lookups and getattrs (`cached` reads) are served from what the host
-    last saw, without a round trip (`from_memory`, where the daemon's loop tries them), and
-    stop being so once another host changes the record (its announcement drops it)."""
+    """The kernel's lookups and getattrs (`cached` reads) are served from memory
+    (`from_memory`, where the daemon's loop tries them) with what other hosts announce as
+    they commit, and what this host read itself is dropped when another host changes it."""
     one, two = pool
     if not two.engine.watching():
         pytest.skip("only an engine told of other hosts' changes caches")
+
+    def from_memory(read: Callable[[], object]) -> object:
+        with two.engine.from_memory():
+            try:
+                return read()
+            except RoundTripNeeded:
+                return RoundTripNeeded
+
     made = mkfile(one, b"x")
-    with two.engine.from_memory(), pytest.raises(RoundTripNeeded):
-        two.lookup(ROOT_INO, b"x", cached=True)  # never seen by this host
-
-    def in_memory() -> bool:
-        with two.engine.from_memory():
-            try:
-                return two.lookup(ROOT_INO, b"x", cached=True) == made
-            except RoundTripNeeded:
-                pass
-        # (a read that raced the announcement of `one`'s change is not kept)
-        assert two.lookup(ROOT_INO, b"x", cached=True) == made
-        return False
-    assert wait_for(in_memory)
-    with two.engine.from_memory():
-        assert two.get(made.ino, cached=True) == made
-        with pytest.raises(RoundTripNeeded):
-            two.get(made.ino)  # not a cached read: always Redis
+    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"x", True)) == made)
+    assert from_memory(lambda: two.get(made.ino, True)) == made
+    assert from_memory(lambda: two.get(made.ino)) is RoundTripNeeded  # not cached: Redis
     changed = one.set_attrs(made.ino, mode=0o600)
+    assert wait_for(lambda: from_memory(lambda: two.get(made.ino, True)) == changed)
+    one.remove(ROOT_INO, b"x", False)
+    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"x", True)) is None)
 
-    def dropped() -> bool:
-        with two.engine.from_memory():
-            try:
-                two.get(made.ino, cached=True)
-            except RoundTripNeeded:
-                return True
-        return False
-    assert wait_for(dropped)
-    assert two.get(made.ino, cached=True) == changed
+    def read_and_kept() -> bool:  # (a read that raced any change of its bucket is not kept)
+        assert two.lookup(ROOT_INO, b"y", True) is None
+        return from_memory(lambda: two.lookup(ROOT_INO, b"y", True)) is None
+    assert wait_for(read_and_kept)
+    other = mkfile(one, b"y")
+    # (what this host read itself cannot be ordered against an announcement: dropped)
+    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"y", True))
+                    in (RoundTripNeeded, other))
+    assert two.lookup(ROOT_INO, b"y", True) == other
 
 
 def test_each_host_is_told_of_the_names_and_inodes_others_change(
