@@ -268,7 +268,8 @@ class KvfsOperations(pyfuse3.Operations):
         if control is not None:
             return self._entry(control)
         started = time.monotonic()
-        inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name, True)
+        inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name,
+                                                cached=True)
         racing = self.notifier.changed_since(parent_inode, name, started)
         if inode is None:
             self.stats.lookup_misses += 1

@@ -97,7 +97,8 @@ class FileTable(WritingOps):
             inode, blob = await self._content(inode.ino)
         inode, blob = await self._hold(inode, blob)
         try:
-            if blob is not None and blob.pending and not self._sums_may_wait(writable, flags):
+            if blob is not None and blob.pending and not self._sums_may_wait(writable, flags,
+                                                                               blob):
                 blob = await self._take_sums(inode, blob)
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
@@ -163,14 +164,14 @@ class FileTable(WritingOps):
         """The inode and its blob record (its block sums may still be pending)."""
         return await self.meta_call(self.meta.content, ino)
 
-    def _sums_may_wait(self, writable: bool, flags: int) -> bool:
+    def _sums_may_wait(self, writable: bool, flags: int, blob: BlobInfo) -> bool:
         """Whether a blob the kernel wrote may be opened before its block sums are taken:
         by a reader the kernel serves, under `--verify once`. The sums would be read from the
         same volume the reader reads, so taking them first checks nothing for this reader;
         it only reads the blob twice (LMCache's local_disk retrieving right after a store ran
         at half speed). The daemon's own reads check each block, so they need the sums."""
         return (self.verifier.mode is VerifyMode.ONCE and self.passthrough.available()
-                and not writable and self.passthrough.takes(flags))
+                and self._passes_through(writable, flags, blob))
 
     async def _take_sums(self, inode: Inode, blob: BlobInfo) -> BlobInfo:
         """Take the block sums of a blob the kernel wrote, if the background has not yet;

@@ -209,7 +209,7 @@ class FileState:
         if state and state.unlinked:
             inode = state.inode
         elif cached:
-            inode = await self.meta_call.cached(self.meta.get, ino, True)
+            inode = await self.meta_call.cached(self.meta.get, ino, cached=True)
         else:
             inode = await self.meta_call(self.meta.get, ino)
         state = self._open.get(ino)  # (it may have changed meanwhile)
