@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import trio
 
-from kvfs.data import ChecksumError, check_blob_size, check_file_size
+from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
 from kvfs.files.state import (
     WRITER_WAIT_SECONDS,
     Backing,
@@ -58,6 +58,7 @@ from kvfs.files.writing import WritingOps
 from kvfs.loads import OTHER
 from kvfs.meta import Inode
 from kvfs.models import model_of
+from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo, FsError, fail
 from kvfs.verify import VerifyMode
 
@@ -91,15 +92,13 @@ class FileTable(WritingOps):
             await self._wait_for_kernel_users(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since the lookup.
-        inode, blob = await self._content(inode.ino)
+        sums = not self._sums_may_wait(writable, flags)
+        inode, blob = await self._content(inode.ino, sums)
         if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
-            inode, blob = await self._content(inode.ino)
-        inode, blob = await self._hold(inode, blob)
+            inode, blob = await self._content(inode.ino, sums)
+        inode, blob = await self._hold(inode, blob, sums)
         try:
-            if blob is not None and blob.pending and not self._sums_may_wait(writable, flags,
-                                                                               blob):
-                blob = await self._take_sums(inode, blob)
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
                 assert blob is not None and fd is not None  # a blob: _open_blob opened it
@@ -145,7 +144,7 @@ class FileTable(WritingOps):
             opened = self._open_for_passthrough(state, handle,
                                                 self._passes_through(writable, flags, blob))
             if not handle.backing and blob is not None and blob.pending:
-                handle.blob = await self._take_sums(inode, blob)  # the daemon checks its reads
+                handle.blob = await self._summed(inode, blob, fd)  # the daemon checks its reads
             return opened
         self.stats.opens_daemon += not writable
         keep = self._cached_version.get(inode.ino) == inode.version
@@ -160,44 +159,57 @@ class FileTable(WritingOps):
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
-    async def _content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
-        """The inode and its blob record (its block sums may still be pending)."""
-        return await self.meta_call(self.meta.content, ino)
+    async def _content(self, ino: int, sums: bool = True) -> tuple[Inode, BlobInfo | None]:
+        """The inode and its blob record; with block sums if `sums`: those of a blob the
+        kernel wrote are taken first if the background has not yet (EIO, the file dropped,
+        if its data file is not what was committed)."""
+        inode, blob = await self.meta_call(self.meta.content, ino)
+        if sums and blob is not None and blob.pending:
+            await self._take_sums(inode, blob)
+            inode, blob = await self.meta_call(self.meta.content, ino)
+        return inode, blob
 
-    def _sums_may_wait(self, writable: bool, flags: int, blob: BlobInfo) -> bool:
+    def _sums_may_wait(self, writable: bool, flags: int) -> bool:
         """Whether a blob the kernel wrote may be opened before its block sums are taken:
         by a reader the kernel serves, under `--verify once`. The sums would be read from the
         same volume the reader reads, so taking them first checks nothing for this reader;
         it only reads the blob twice (LMCache's local_disk retrieving right after a store ran
         at half speed). The daemon's own reads check each block, so they need the sums."""
         return (self.verifier.mode is VerifyMode.ONCE and self.passthrough.available()
-                and self._passes_through(writable, flags, blob))
+                and not writable and self.passthrough.takes(flags))
 
-    async def _take_sums(self, inode: Inode, blob: BlobInfo) -> BlobInfo:
-        """Take the block sums of a blob the kernel wrote, if the background has not yet;
-        its record with them (EIO, the file dropped, if its data file is not what was
-        committed; ENOENT if it was removed meanwhile)."""
+    async def _take_sums(self, inode: Inode, blob: BlobInfo) -> None:
+        """Take the block sums of a blob the kernel wrote, if the background has not yet
+        (EIO, the file dropped, if its data file is not what was committed)."""
         try:
             await self.hasher.take_sums(blob.blob_id)
         except ChecksumError as error:
             await self._drop_damaged(inode, str(error), blob)
             raise fail(errno.EIO) from None
-        summed = await self.meta_call(self.meta.blob_info, blob.blob_id)
-        if summed is None:
-            raise fail(errno.ENOENT)
-        return summed
 
-    async def _hold(self, inode: Inode, blob: BlobInfo | None
+    async def _summed(self, inode: Inode, blob: BlobInfo, fd: int | None) -> BlobInfo:
+        """A held blob's record with its block sums, for an open that was to pass through
+        without them and is served here after all. Its record may be gone (replaced
+        meanwhile); its data file, held, is not: the sums are then taken from it here."""
+        await self._take_sums(inode, blob)
+        summed = await self.meta_call(self.meta.blob_info, blob.blob_id)
+        if summed is not None:
+            return summed
+        assert fd is not None  # a blob: _open_blob opened it
+        return replace(blob, sums=await off_loop(block_sums, fd, blob.size), pending=False)
+
+    async def _hold(self, inode: Inode, blob: BlobInfo | None, sums: bool
                     ) -> tuple[Inode, BlobInfo | None]:
         """Hold the blob about to be opened (released with the handle). In a shared pool the
-        hold is recorded first and the inode read again: a blob that another host replaced
-        in between may already be on its way out, so the new one is held instead."""
+        hold is recorded first and the inode read again (`sums`: as `_content`): a blob that
+        another host replaced in between may already be on its way out, so the new one is
+        held instead."""
         while blob is not None:
             await self.session.hold(blob.blob_id)
             if not self.session.shared:
                 break
             try:
-                again, again_blob = await self._content(inode.ino)
+                again, again_blob = await self._content(inode.ino, sums)
             except BaseException:
                 await self.session.release(blob.blob_id)  # removed meanwhile, by another host
                 raise
