@@ -73,6 +73,11 @@ STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bs
 DIRECTORY_BLKSIZE = 256 << 10
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
+# kvfs's pyfuse3 patch polls /dev/fuse this long (without the GIL, when no task is ready)
+# before the loop sleeps on it: most of a FUSE round trip on a small VM is waking a sleeping
+# daemon (scripts/bench_floor.py, libfuse in C: 111 µs per request sleeping, 37-44 polling
+# 50-200 µs, 95 polling 20).
+READ_SPIN_US = 100
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -224,6 +229,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.notifier = notifier
         self.passthrough = passthrough
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
+        self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
 

@@ -9,6 +9,9 @@ ask the daemon, whatever it has cached, and the answer is EEXIST), through four 
   built here with gcc against the libfuse in .venv/libfuse): the kernel's round trip,
 - a minimal pyfuse3 daemon on trio answering from constants: what Python adds per request,
 - kvfs: its lookup of a stored name (a metadata read, the prefetcher's bookkeeping).
+The C and pyfuse3 daemons run twice: sleeping on /dev/fuse between requests, and polling it
+for kvfs's READ_SPIN_US first (kvfs's pyfuse3 patch; kvfs itself always polls): on a small VM
+most of a round trip is waking a sleeping daemon.
 A store of vLLM's tier sends 11 requests (3 lookups, 2 getattrs of the directory, create,
 getxattr, flush, release, rename), so 11 × the floor bounds the files per second any daemon of
 that stack can store. Medians of --runs runs, each of --calls calls. Needs root (mounting) and
@@ -33,11 +36,14 @@ from bench_io import REPO, KvfsMount
 from rich.console import Console
 from rich.table import Table
 
+from kvfs.fuse_ops import READ_SPIN_US
+
 LIBFUSE = REPO / ".venv" / "libfuse"
 REQUESTS_PER_STORE = 11
 MINIMAL_PYFUSE3 = """
 import errno, stat, sys, pyfuse3, trio
 class Floor(pyfuse3.Operations):
+    read_spin_us = int(sys.argv[2])
     async def getattr(self, inode, ctx=None):
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = inode
@@ -78,10 +84,11 @@ def mounted(mountpoint: Path) -> bool:
 
 
 @contextmanager
-def foreground_daemon(command: list[str], mountpoint: Path) -> Iterator[Path]:
-    """A daemon that mounts `mountpoint` and serves until unmounted; ended by its pid."""
+def foreground_daemon(command: list[str], mountpoint: Path, *extra: str) -> Iterator[Path]:
+    """A daemon (`command` MOUNTPOINT `extra`...) that mounts `mountpoint` and serves until
+    unmounted; ended by its pid."""
     mountpoint.mkdir()
-    daemon = subprocess.Popen([*command, str(mountpoint)])
+    daemon = subprocess.Popen([*command, str(mountpoint), *extra])
     try:
         deadline = time.monotonic() + 30
         while not mounted(mountpoint):
@@ -135,14 +142,16 @@ def main() -> int:
     try:
         with ExitStack() as stack:
             (work / "plain").mkdir()
-            stacks = {
-                "plain directory (no FUSE)": work / "plain",
-                "libfuse low-level, C": stack.enter_context(foreground_daemon(
-                    [str(build_floor_daemon(work))], work / "c")),
-                "pyfuse3 on trio, minimal": stack.enter_context(foreground_daemon(
-                    [sys.executable, "-c", MINIMAL_PYFUSE3], work / "pyfuse3")),
-                "kvfs": stack.enter_context(kvfs_mount(work)),
-            }
+            floor = str(build_floor_daemon(work))
+            stacks: dict[str, Path] = {"plain directory (no FUSE)": work / "plain"}
+            for spin in (0, READ_SPIN_US):
+                how = f"polling {spin} µs" if spin else "sleeping"
+                stacks[f"libfuse low-level, C, {how}"] = stack.enter_context(
+                    foreground_daemon([floor], work / f"c-{spin}", *([str(spin)] if spin else [])))
+                stacks[f"pyfuse3 on trio, minimal, {how}"] = stack.enter_context(
+                    foreground_daemon([sys.executable, "-c", MINIMAL_PYFUSE3],
+                                      work / f"pyfuse3-{spin}", str(spin)))
+            stacks["kvfs"] = stack.enter_context(kvfs_mount(work))
             for root in (stacks["plain directory (no FUSE)"], stacks["kvfs"]):
                 (root / "f").write_bytes(b"")
             micros = {name: [] for name in stacks}

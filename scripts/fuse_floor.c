@@ -2,13 +2,20 @@
  * root, answered from constants. scripts/bench_floor.py times a request through it to find
  * what the kernel's FUSE round trip itself costs on this machine (no Python, no metadata).
  *
- *     fuse_floor MOUNTPOINT      (stays in the foreground; fusermount3 -u ends it)
+ *     fuse_floor MOUNTPOINT [POLL_US]   (stays in the foreground; fusermount3 -u ends it)
+ *
+ * With POLL_US, the daemon polls its non-blocking /dev/fuse descriptor that long after each
+ * request before it sleeps in poll(): what kvfs's pyfuse3 patch does (READ_SPIN_US).
  */
 #define FUSE_USE_VERSION 317
 #include <errno.h>
+#include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <poll.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 static const double FOREVER = 86400.0;
 
@@ -44,6 +51,44 @@ static void floor_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info 
     fuse_reply_attr(req, &st, FOREVER);
 }
 
+static long monotonic_ns(void)
+{
+    struct timespec now;
+
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec * 1000000000L + now.tv_nsec;
+}
+
+/* fuse_session_loop, but polling the descriptor for poll_ns before each sleep. */
+static int polling_loop(struct fuse_session *session, long poll_ns)
+{
+    struct fuse_buf buf = {0};
+    int fd = fuse_session_fd(session);
+    int res = 0;
+
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    while (!fuse_session_exited(session)) {
+        long until = monotonic_ns() + poll_ns;
+
+        while ((res = fuse_session_receive_buf(session, &buf)) == -EAGAIN &&
+               monotonic_ns() < until)
+            ;
+        if (res == -EAGAIN) {
+            struct pollfd readable = {fd, POLLIN, 0};
+
+            poll(&readable, 1, -1);
+            continue;
+        }
+        if (res == -EINTR)
+            continue;
+        if (res <= 0)
+            break;
+        fuse_session_process_buf(session, &buf);
+    }
+    free(buf.mem);
+    return res < 0 ? res : 0;
+}
+
 static const struct fuse_lowlevel_ops operations = {
     .lookup = floor_lookup,
     .getattr = floor_getattr,
@@ -56,12 +101,13 @@ int main(int argc, char *argv[])
     struct fuse_session *session;
     int failed;
 
-    if (argc != 2)
+    if (argc != 2 && argc != 3)
         return 2;
     session = fuse_session_new(&args, &operations, sizeof operations, NULL);
     if (session == NULL || fuse_session_mount(session, argv[1]) != 0)
         return 1;
-    failed = fuse_session_loop(session);
+    failed = argc == 3 ? polling_loop(session, atol(argv[2]) * 1000)
+                       : fuse_session_loop(session);
     fuse_session_unmount(session);
     fuse_session_destroy(session);
     return failed ? 1 : 0;
