@@ -230,6 +230,9 @@ class KvfsOperations(pyfuse3.Operations):
         self.passthrough = passthrough
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
         self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
+        # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
+        # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
+        self.handle_killpriv_v2 = True
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
 
@@ -313,9 +316,14 @@ class KvfsOperations(pyfuse3.Operations):
         if not fields.update_size or any(value is not None for value in changed.values()):
             # Every attribute change is a ctime change, also one that changes nothing
             # (chown(f, -1, -1) arrives with no field set).
+            chown = fields.update_uid or fields.update_gid or not any(
+                (fields.update_mode, fields.update_size, fields.update_atime,
+                 fields.update_mtime))
+            cleared = await self.files.cleared_by_chown(inode, caller(ctx)) if chown else 0
             await self.meta_call(self.meta.set_attrs, inode, mode=changed["mode"],
                                  uid=changed["uid"], gid=changed["gid"],
-                                 atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"])
+                                 atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"],
+                                 clear_mode=cleared)
         if fields.update_size:  # the kernel's FUSE code clears setgid by an older rule
             await self.files.clear_privileges(inode, caller(ctx))
         return self._entry(await self.files.attributes(inode))

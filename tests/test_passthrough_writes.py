@@ -80,6 +80,29 @@ def test_new_files_are_written_by_the_kernel(roomy: KvfsMount) -> None:
     verified_after_remount(roomy, payloads)
 
 
+def getxattr_requests(root: Path) -> int:
+    return stats(root)["requests"].get("getxattr", {}).get("count", 0)
+
+
+def test_a_file_written_in_many_writes_asks_for_its_capabilities_once(
+        roomy: KvfsMount) -> None:
+    """The kernel asks the daemon for security.capability before a write() unless the inode
+    is marked as having none (S_NOSEC): kvfs clears setuid/setgid itself (handle_killpriv_v2),
+    so the mark sticks and a file written in 64 writes costs one GETXATTR, not 64."""
+    root = roomy.mountpoint
+    payload = os.urandom(4 * MiB)
+    before = getxattr_requests(root)
+    fd = os.open(root / "chunk", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for offset in range(0, len(payload), 64 * 1024):
+            assert os.write(fd, payload[offset:offset + 64 * 1024]) == 64 * 1024
+    finally:
+        os.close(fd)
+    assert getxattr_requests(root) - before == 1
+    assert (root / "chunk").read_bytes() == payload
+    assert stats(root)["write_opens_passthrough"] == 1
+
+
 def test_lmcache_temp_and_rename_and_rewrite(roomy: KvfsMount) -> None:
     """The maker of `<key>.tmp` writes through the kernel, and so does a rewriter of the
     existing file that is alone on it."""

@@ -149,14 +149,15 @@ class Caller:
         return False
 
 
-def privileges_to_clear(inode: Inode, writer: Caller) -> int:
-    """What a write by `writer` clears, as Linux: nothing for root; setuid; setgid when group
-    execute is set or the writer is not in the file's group."""
-    if writer.uid == 0:
+def privileges_to_clear(inode: Inode, caller: Caller, chown: bool = False) -> int:
+    """What a write or truncate by `caller` clears, as Linux: nothing for root; setuid;
+    setgid when group execute is set or the caller is not in the file's group. A chown (of
+    anything but a directory) clears them for root too, setgid by the same rule."""
+    if caller.uid == 0 and not chown or stat.S_ISDIR(inode.mode):
         return 0
     bits = inode.mode & stat.S_ISUID
-    if inode.mode & stat.S_ISGID and (inode.mode & stat.S_IXGRP
-                                      or not writer.in_group(inode.gid)):
+    if inode.mode & stat.S_ISGID and (inode.mode & stat.S_IXGRP or caller.uid != 0
+                                      and not caller.in_group(inode.gid)):
         bits |= stat.S_ISGID
     return bits
 

@@ -50,6 +50,11 @@ class WritingOps(RetiringOps):
             writer, handle.kill_privs = handle.kill_privs, None
             await self.clear_privileges(handle.ino, writer)
 
+    async def cleared_by_chown(self, ino: int, caller: Caller) -> int:
+        """The setuid/setgid bits a chown by `caller` clears (the kernel leaves it to kvfs:
+        handle_killpriv_v2)."""
+        return privileges_to_clear(await self.attributes(ino), caller, chown=True)
+
     async def clear_privileges(self, ino: int, writer: Caller) -> None:
         """A write or truncate by `writer` clears setuid/setgid as Linux would."""
         bits = privileges_to_clear(await self.attributes(ino), writer)

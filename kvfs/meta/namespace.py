@@ -357,10 +357,11 @@ class NamespaceOps(MetaBase):
                   gid: int | None = None, atime_ns: int | None = None,
                   mtime_ns: int | None = None, clear_mode: int = 0) -> Inode:
         """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
-        setgid on writes), inside the same transaction."""
+        setgid on writes and chowns), inside the same transaction."""
         def change(txn: Txn) -> Inode:
             inode = self._get(txn, ino)
-            if clear_mode and not inode.mode & clear_mode and mode is None:
+            if clear_mode and not inode.mode & clear_mode and all(
+                    value is None for value in (mode, uid, gid, atime_ns, mtime_ns)):
                 return inode  # a write that finds nothing to clear changes no attribute
             ctime_ns = time.time_ns()
             new_mode = inode.mode
