@@ -147,7 +147,7 @@ def main() -> int:
             for spin in (0, READ_SPIN_US):
                 how = f"polling {spin} µs" if spin else "sleeping"
                 stacks[f"libfuse low-level, C, {how}"] = stack.enter_context(
-                    foreground_daemon([floor], work / f"c-{spin}", *([str(spin)] if spin else [])))
+                    foreground_daemon([floor], work / f"c-{spin}", str(spin)))
                 stacks[f"pyfuse3 on trio, minimal, {how}"] = stack.enter_context(
                     foreground_daemon([sys.executable, "-c", MINIMAL_PYFUSE3],
                                       work / f"pyfuse3-{spin}", str(spin)))

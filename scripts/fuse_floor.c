@@ -4,8 +4,8 @@
  *
  *     fuse_floor MOUNTPOINT [POLL_US]   (stays in the foreground; fusermount3 -u ends it)
  *
- * With POLL_US, the daemon polls its non-blocking /dev/fuse descriptor that long after each
- * request before it sleeps in poll(): what kvfs's pyfuse3 patch does (READ_SPIN_US).
+ * With POLL_US > 0, the daemon polls its non-blocking /dev/fuse descriptor that long after
+ * each request before it sleeps in poll(): what kvfs's pyfuse3 patch does (READ_SPIN_US).
  */
 #define FUSE_USE_VERSION 317
 #include <errno.h>
@@ -99,6 +99,7 @@ int main(int argc, char *argv[])
     char *options[] = {argv[0], "-o", "fsname=fuse-floor", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, options);
     struct fuse_session *session;
+    long poll_us;
     int failed;
 
     if (argc != 2 && argc != 3)
@@ -106,8 +107,8 @@ int main(int argc, char *argv[])
     session = fuse_session_new(&args, &operations, sizeof operations, NULL);
     if (session == NULL || fuse_session_mount(session, argv[1]) != 0)
         return 1;
-    failed = argc == 3 ? polling_loop(session, atol(argv[2]) * 1000)
-                       : fuse_session_loop(session);
+    poll_us = argc == 3 ? atol(argv[2]) : 0;
+    failed = poll_us > 0 ? polling_loop(session, poll_us * 1000) : fuse_session_loop(session);
     fuse_session_unmount(session);
     fuse_session_destroy(session);
     return failed ? 1 : 0;

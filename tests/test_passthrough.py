@@ -147,7 +147,7 @@ def test_verify_open_checks_every_open_of_a_file_not_wholly_in_memory(
     assert shown["verified_bytes"] == checked_bytes
     assert shown["verifications_skipped"] == 9 - checked_opens
     # Every O_DIRECT open; the first buffered round, and then only a chunk paged out.
-    assert checked_opens == 9 if flags else 3 <= checked_opens < 9
+    assert (checked_opens == 9) if flags else (3 <= checked_opens < 9)
     if flags:
         assert all(resident_bytes(path) == 0 for path in blob_files(kvfs.data))
     else:
