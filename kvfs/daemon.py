@@ -122,7 +122,8 @@ class Daemon:
                                config.mountpoint, config.session_ttl)
         self.notifier = KernelNotifier()
         self.space = Space(self.meta, config.data, self.stats, self.session,
-                           open_inodes=self._open_inodes, evicted=self._evicted)
+                           open_inodes=self._open_inodes, evicted=self._evicted,
+                           deletions_done=self._deletions_done)
         self.cache = BlockCache(self.data, self.stats, config.cache_bytes,
                                 config.readahead_bytes)
         self.passthrough = Passthrough(
@@ -149,6 +150,9 @@ class Daemon:
 
     async def _evicted(self, removed: list[Removed]) -> None:
         await self.files.evicted(removed)
+
+    async def _deletions_done(self) -> bool:
+        return await self.files.deletions_done()
 
     def mount(self) -> None:
         options = set(pyfuse3.default_options)

@@ -193,12 +193,15 @@ class DataStore:
         for shard in range(256):
             (self.blobs_dir / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self._blobs = os.fspath(self.blobs_dir)
+        self._staging = os.fspath(self.staging_dir)
 
-    def path(self, blob_id: int) -> Path:
-        return self.blobs_dir / f"{blob_id & 0xFF:02x}" / f"{blob_id:016x}"
+    # Paths as strings: a flush on the loop builds three, and pathlib costs ~10 µs each.
+    def path(self, blob_id: int) -> str:
+        return f"{self._blobs}/{blob_id & 0xFF:02x}/{blob_id:016x}"
 
-    def staging_path(self, blob_id: int) -> Path:
-        return self.staging_dir / f"{blob_id:016x}"
+    def staging_path(self, blob_id: int) -> str:
+        return f"{self._staging}/{blob_id:016x}"
 
     def create_staging(self, blob_id: int) -> int:
         return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -213,9 +216,9 @@ class DataStore:
         blob: recovery finds committed blobs there)."""
         # (os.link follows no /proc link without a directory descriptor: linkat itself)
         if _libc.linkat(AT_FDCWD, f"/proc/self/fd/{fd}".encode(), AT_FDCWD,
-                        bytes(self.staging_path(blob_id)), AT_SYMLINK_FOLLOW):
+                        os.fsencode(self.staging_path(blob_id)), AT_SYMLINK_FOLLOW):
             error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error), str(self.staging_path(blob_id)))
+            raise OSError(error, os.strerror(error), self.staging_path(blob_id))
 
     def stage_again(self, blob_id: int, published: bool, new_id: int) -> int:
         """A second name in staging/ for a committed blob's file, to commit it anew: the
@@ -288,7 +291,7 @@ class DataStore:
                 os.rename(entry.path, self.path(blob_id))
                 published += 1
             else:
-                _unlink_quietly(Path(entry.path))
+                _unlink_quietly(entry.path)
                 discarded += 1
         return published, discarded
 
@@ -633,6 +636,6 @@ def _state_of(status: os.stat_result) -> tuple[int, int]:
     return status.st_size, status.st_mtime_ns
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

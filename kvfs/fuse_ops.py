@@ -207,6 +207,14 @@ def entry_attributes(inode: Inode, timeout: float) -> EntryAttributes:
     return entry
 
 
+def typed_entry(ino: int, mode: int) -> EntryAttributes:
+    """An entry of a plain READDIR: its inode number and type are all the kernel takes."""
+    entry = EntryAttributes()
+    entry.st_ino = ino
+    entry.st_mode = mode
+    return entry
+
+
 def negative_entry(timeout: float) -> EntryAttributes:
     """A cacheable 'no such name': the kernel answers repeated misses itself."""
     entry = EntryAttributes()
@@ -396,19 +404,28 @@ class KvfsOperations(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # kvfs's pyfuse3 patch tells a READDIRPLUS from a READDIR, whose entries carry their
+        # inode number and type alone: those are read without unpacking the inodes.
+        plus = getattr(token, "plus", True)
         timeout = self.caching.entry
         after = start_id
         while True:  # in pages: a huge directory is never read whole
             wanted = self._readdir_fits
-            page = await self.meta_call(self.meta.readdir_page, fh, after, wanted)
-            for sent, (name, inode, cookie) in enumerate(page):
-                if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
-                                             cookie):
+            if plus:
+                page = await self.meta_call(self.meta.readdir_page, fh, after, wanted)
+                entries = [(name, entry_attributes(inode, timeout), cookie)
+                           for name, inode, cookie in page]
+            else:
+                typed = await self.meta_call(self.meta.readdir_types_page, fh, after, wanted)
+                entries = [(name, typed_entry(ino, mode), cookie)
+                           for name, ino, mode, cookie in typed]
+            for sent, (name, attributes, cookie) in enumerate(entries):
+                if not pyfuse3.readdir_reply(token, name, attributes, cookie):
                     # The kernel's buffer is full: the next page is read to its size.
                     self._readdir_fits = sent + READDIR_SLACK
                     return
                 after = cookie
-            if len(page) < wanted:
+            if len(entries) < wanted:
                 break
             self._readdir_fits = min(2 * wanted, READDIR_PAGE)
         for name, inode in self.control.entries(fh, start_id):

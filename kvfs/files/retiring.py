@@ -62,7 +62,22 @@ class RetiringOps(FileState):
         while True:
             await self._reap_wanted.wait()
             self._reap_wanted = trio.Event()
+            await self._reap_doomed()
+
+    async def deletions_done(self) -> bool:
+        """Return once the data files of every blob doomed so far are deleted; whether any
+        were still to delete. A writer short of volume room waits for them: on a local disk
+        an unlink frees the room at once."""
+        pending = bool(self._doomed) or self._reaping.locked()
+        if pending:
+            await self._reap_doomed()
+        return pending
+
+    async def _reap_doomed(self) -> None:
+        async with self._reaping:  # after a deletion under way, the rest
             doomed, self._doomed = self._doomed, []
+            if not doomed:
+                return
             try:
                 await off_loop(self._reap, doomed)
             except Exception:

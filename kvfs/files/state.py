@@ -199,6 +199,7 @@ class FileState:
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
         self._reap_wanted = trio.Event()
+        self._reaping = trio.Lock()  # held while a worker deletes doomed blobs' data files
 
     async def attributes(self, ino: int, cached: bool = False) -> Inode:
         """The committed inode (also of files unlinked while open), with the size of what

@@ -25,6 +25,7 @@ from kvfs.meta.schema import (
     Removed,
     check_name,
     from_u64,
+    mode_of,
     u64,
 )
 from kvfs.records import fail
@@ -70,10 +71,10 @@ class NamespaceOps(MetaBase):
             raise fail(errno.EINVAL)
         return bytes(target)
 
-    def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
-        """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
+    def _listing(self, parent: int, after: int) -> Iterator[tuple[bytes, int, bytes, int]]:
+        """Entries of `parent` with a cookie > after, in cookie order: (name, child's inode
+        number, its packed record, cookie)."""
         prefix = u64(parent)
-        unpack = Inode.unpack
         with self.engine.snapshot() as txn:
             entries = takewhile(lambda entry: entry[0][:8] == prefix,
                                 txn.scan("dirlist", prefix + u64(after + 1)))
@@ -81,11 +82,24 @@ class NamespaceOps(MetaBase):
                 children = txn.get_many("inode", [bytes(value[:8]) for _, value in batch])
                 for (key, value), child in zip(batch, children, strict=True):
                     if child is not None:
-                        yield bytes(value[8:]), unpack(from_u64(value), child), from_u64(key[8:])
+                        yield bytes(value[8:]), from_u64(value), child, from_u64(key[8:])
+
+    def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
+        """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
+        unpack = Inode.unpack
+        return ((name, unpack(ino, raw), cookie)
+                for name, ino, raw, cookie in self._listing(parent, after))
 
     def readdir_page(self, parent: int, after: int, limit: int
                      ) -> list[tuple[bytes, Inode, int]]:
         return list(islice(self.readdir(parent, after), limit))
+
+    def readdir_types_page(self, parent: int, after: int, limit: int
+                           ) -> list[tuple[bytes, int, int, int]]:
+        """Like `readdir_page`, for a listing without attributes: (name, inode number, mode,
+        cookie), without unpacking each inode (a third of a large listing's time)."""
+        return [(name, ino, mode_of(raw), cookie)
+                for name, ino, raw, cookie in islice(self._listing(parent, after), limit)]
 
     def inodes(self) -> Iterator[Inode]:
         with self.engine.snapshot() as txn:

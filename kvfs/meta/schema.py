@@ -79,6 +79,7 @@ READDIR_BATCH = 128  # entries whose inodes are read at once
 
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
+_MODE = struct.Struct("<I")  # the first field of an inode record
 MODEL_FILES = b"\0files"
 MODEL_BYTES = b"\0bytes"
 
@@ -94,6 +95,11 @@ def u64(value: int) -> bytes:
 
 def from_u64(raw: bytes) -> int:
     return _U64.unpack(raw[:8])[0]
+
+
+def mode_of(raw: bytes) -> int:
+    """The mode of a packed inode record (a listing without attributes needs no more)."""
+    return _MODE.unpack_from(raw)[0]
 
 
 class Inode(NamedTuple):
