@@ -539,15 +539,17 @@ class StagedFile:
         self.changed = True
 
     def fallocate(self, mode: int, offset: int, length: int) -> None:
-        """fallocate(2) on the staged file. With KEEP_SIZE the range stops at the end of the
-        file: room past it would hold volume space that no size or `du` shows, and what lies
-        past the end reads as nothing anyway. Blocks from `offset` on are hashed again at
-        commit (a collapse or insert moves all that follow)."""
+        """fallocate(2) on the staged file. With KEEP_SIZE nothing happens past the end of
+        the file: room there would hold volume space that no size or `du` shows, and what
+        lies there reads as nothing anyway. A hole punched past the end is punched as asked
+        (the volume frees a last block the range covers). Blocks from `offset` on are hashed
+        again at commit (a collapse or insert moves all that follow)."""
         check_file_size(offset + length)
         if mode & FALLOC_FL_KEEP_SIZE:
-            length = min(length, self.size - offset)
-            if length <= 0:
+            if offset >= self.size:
                 return
+            if not mode & FALLOC_FL_PUNCH_HOLE:
+                length = min(length, self.size - offset)
         preallocating = mode == FALLOC_FL_KEEP_SIZE  # room only: the content stays
         self.materialize()
         self._grow(offset)

@@ -197,6 +197,11 @@ def check_store(meta: MetaStore) -> None:
             assert listed == expected, f"readdir of {ino} differs from its entries"
             cookies = [cookie for _, _, cookie in listing(meta, ino)]
             assert cookies == sorted(set(cookies))
+            typed = meta.readdir_types_page(ino, 0, len(inodes))
+            assert [(name, child, cookie) for name, child, _, cookie in typed] == \
+                listing(meta, ino), f"the listing without attributes of {ino} differs"
+            assert all(file_type == stat.S_IFMT(inodes[child].mode)
+                       for _, child, file_type, _ in typed), f"entry types in {ino}"
         if ino == ROOT_INO:
             assert not names[ino]
             continue
@@ -786,6 +791,31 @@ def test_reopen_keeps_everything(backend: Backend) -> None:
     assert meta.lookup(ROOT_INO, b"alias").ino == f.ino
     assert mkfile(meta, b"new").ino > max(i.ino for i in inodes)  # ids never come back
     assert min(meta.allocate_blob_ids(1)) > blob.blob_id
+
+
+def test_a_kvfs_3_store_gets_entry_types_at_open(tmp_path: Path) -> None:
+    """kvfs-3 listing entries held the child's inode number and name alone: the open that
+    finds that format adds each entry's type (readdir without attributes reads no inode)."""
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    d = mkdir(meta, b"d")
+    mkfile(meta, b"f", d.ino)
+    meta.make(d.ino, b"s", stat.S_IFLNK | 0o777, UID, GID, target=b"f")
+    made = listing(meta, d.ino)
+    meta.close()
+    env = lmdb.open(str(tmp_path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        entries = env.open_db(b"dirlist", txn=txn)
+        for key, value in list(txn.cursor(db=entries)):
+            txn.put(key, value[:8] + value[9:], db=entries)
+        txn.put(b"format", b"kvfs-3", db=env.open_db(b"settings", txn=txn))
+    env.close()
+
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    assert listing(meta, d.ino) == made
+    assert [(name, file_type) for name, _, file_type, _ in
+            meta.readdir_types_page(d.ino, 0, 10)] == [(b"f", stat.S_IFREG), (b"s", stat.S_IFLNK)]
+    check_store(meta)
+    meta.close()
 
 
 # -- concurrency ----------------------------------------------------------------------------

@@ -10,7 +10,15 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvfs.engine import Engine, Txn
-from kvfs.meta.schema import ID_BATCH, MODEL_BYTES, MODEL_FILES, Inode, from_u64, u64
+from kvfs.meta.schema import (
+    ID_BATCH,
+    MODEL_BYTES,
+    MODEL_FILES,
+    Inode,
+    from_u64,
+    listing_entry,
+    u64,
+)
 from kvfs.models import model_of
 from kvfs.records import BlobInfo, fail
 
@@ -71,11 +79,11 @@ class MetaBase:
         if allocated:
             txn.add("models", model.encode() + MODEL_BYTES, allocated)
 
-    def _link(self, txn: Txn, parent: int, name: bytes, ino: int, cookie_id: int) -> None:
+    def _link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int) -> None:
         cookie = u64(cookie_id)
-        txn.put("dentry", u64(parent) + name, u64(ino) + cookie)
-        txn.put("dirlist", u64(parent) + cookie, u64(ino) + name)
-        txn.put("links", u64(ino) + u64(parent) + name, b"")
+        txn.put("dentry", u64(parent) + name, u64(inode.ino) + cookie)
+        txn.put("dirlist", u64(parent) + cookie, listing_entry(inode.ino, inode.mode, name))
+        txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
 
     def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
         # The entry is read (a shared engine checks it at commit); its listing and link

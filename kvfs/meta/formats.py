@@ -1,5 +1,6 @@
 """The store's format: formatting a new volume, and migrating older formats in place at
-open (kvfs-1: before hard links and holes; kvfs-2: per-model usage as one packed record)."""
+open (kvfs-1: before hard links and holes; kvfs-2: per-model usage as one packed record;
+kvfs-3: listing entries without their file type)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from kvfs.meta.schema import (
     ROOT_INO,
     V1_FORMAT,
     V2_FORMAT,
+    V3_FORMAT,
     Inode,
     from_u64,
+    listing_entry,
+    mode_of,
     u64,
 )
 from kvfs.records import BLOB_RECORD
@@ -31,10 +35,12 @@ class FormatOps(MetaBase):
         stored = txn.get("settings", b"format")
         if stored is None:
             self._format(txn)
-        elif stored == V1_FORMAT:
-            self._migrate_from_v1(txn)
-        elif stored == V2_FORMAT:
-            self._migrate_from_v2(txn)
+        elif stored in (V1_FORMAT, V2_FORMAT, V3_FORMAT):
+            if stored == V1_FORMAT:
+                self._migrate_from_v1(txn)
+            elif stored == V2_FORMAT:
+                self._migrate_from_v2(txn)
+            self._migrate_from_v3(txn)
         elif stored != FORMAT:
             raise RuntimeError(f"unsupported metadata format {stored!r}")
 
@@ -74,8 +80,7 @@ class FormatOps(MetaBase):
             txn.put("dentry", key, child + child)  # the cookie is the child ino
             txn.put("links", child + key, b"")
         for key, name in list(txn.scan("dirlist")):
-            txn.put("dirlist", key, key[8:] + name)
-        txn.put("settings", b"format", FORMAT)
+            txn.put("dirlist", key, key[8:] + name)  # kvfs-3's entry: child ino + name
 
     def _migrate_from_v2(self, txn: Txn) -> None:
         """kvfs-2 kept a model's files and bytes in one packed record (embedded engine only:
@@ -86,4 +91,15 @@ class FormatOps(MetaBase):
             txn.delete("models", key)
             txn.add("models", key + MODEL_FILES, files)
             txn.add("models", key + MODEL_BYTES, allocated)
+
+    def _migrate_from_v3(self, txn: Txn) -> None:
+        """kvfs-3 listing entries held the child's inode number and name: its type joins
+        them (entries of inodes gone are dropped)."""
+        for key, value in list(txn.scan("dirlist")):
+            raw = txn.get("inode", bytes(value[:8]))
+            if raw is None:
+                txn.delete("dirlist", key)
+            else:
+                txn.put("dirlist", key, listing_entry(from_u64(value), mode_of(raw),
+                                                      bytes(value[8:])))
         txn.put("settings", b"format", FORMAT)

@@ -11,7 +11,9 @@ Key schema (one family each):
 
     inode    ino                      -> Inode record (struct _INODE, then its primary name)
     dentry   parent ino + name        -> child ino + cookie     (lookup by name)
-    dirlist  parent ino + cookie      -> child ino + name       (readdir in stable cookie order)
+    dirlist  parent ino + cookie      -> child ino + type + name (readdir in stable cookie order;
+                                       type: one byte, S_IFMT(mode) >> 12, so that a listing
+                                       without attributes reads no inode)
     links    ino + parent ino + name  -> b""   (every name of an inode: hard links)
     symlink  ino                      -> target
     xattr    ino + attribute name     -> value
@@ -67,9 +69,10 @@ NAME_MAX = 255
 PATH_MAX = 4096
 XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
-FORMAT = b"kvfs-3"
+FORMAT = b"kvfs-4"
 V1_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
 V2_FORMAT = b"kvfs-2"  # per-model usage as one packed record: migrated in place at open
+V3_FORMAT = b"kvfs-3"  # listing entries without their file type: migrated in place at open
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 LINK_MAX = 65000  # as ext4
 
@@ -80,6 +83,7 @@ READDIR_BATCH = 128  # entries whose inodes are read at once
 _U64 = struct.Struct(">Q")
 _INODE = struct.Struct("<IIIIQQQqqqQQQ")
 _MODE = struct.Struct("<I")  # the first field of an inode record
+_TYPE_SHIFT = 12  # S_IFMT bits, shifted into a byte
 MODEL_FILES = b"\0files"
 MODEL_BYTES = b"\0bytes"
 
@@ -98,8 +102,18 @@ def from_u64(raw: bytes) -> int:
 
 
 def mode_of(raw: bytes) -> int:
-    """The mode of a packed inode record (a listing without attributes needs no more)."""
+    """The mode of a packed inode record."""
     return _MODE.unpack_from(raw)[0]
+
+
+def listing_entry(ino: int, mode: int, name: bytes) -> bytes:
+    """A `dirlist` value: the child's inode number, its file type and its name."""
+    return u64(ino) + bytes((stat.S_IFMT(mode) >> _TYPE_SHIFT,)) + name
+
+
+def listed(value: bytes) -> tuple[int, int, bytes]:
+    """(inode number, file type as S_IFMT mode bits, name) of a `dirlist` value."""
+    return from_u64(value), value[8] << _TYPE_SHIFT, bytes(value[9:])
 
 
 class Inode(NamedTuple):
