@@ -793,29 +793,28 @@ def test_reopen_keeps_everything(backend: Backend) -> None:
     assert min(meta.allocate_blob_ids(1)) > blob.blob_id
 
 
-def test_a_kvfs_3_store_gets_entry_types_at_open(tmp_path: Path) -> None:
+def test_a_kvfs_3_store_gets_entry_types_at_open(backend: Backend) -> None:
     """kvfs-3 listing entries held the child's inode number and name alone: the open that
     finds that format adds each entry's type (readdir without attributes reads no inode)."""
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    meta = backend.open()
     d = mkdir(meta, b"d")
     mkfile(meta, b"f", d.ino)
     meta.make(d.ino, b"s", stat.S_IFLNK | 0o777, UID, GID, target=b"f")
     made = listing(meta, d.ino)
-    meta.close()
-    env = lmdb.open(str(tmp_path), max_dbs=32)
-    with env.begin(write=True) as txn:
-        entries = env.open_db(b"dirlist", txn=txn)
-        for key, value in list(txn.cursor(db=entries)):
-            txn.put(key, value[:8] + value[9:], db=entries)
-        txn.put(b"format", b"kvfs-3", db=env.open_db(b"settings", txn=txn))
-    env.close()
 
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    def as_kvfs_3(txn: Txn) -> None:
+        for parent in (ROOT_INO, d.ino):
+            for key, value in list(txn.scan("dirlist", u64(parent))):
+                if key[:8] == u64(parent):
+                    txn.put("dirlist", key, bytes(value[:8]) + bytes(value[9:]))
+        txn.put("settings", b"format", b"kvfs-3")
+    meta.engine.change(as_kvfs_3)
+    backend.close(meta)
+
+    meta = backend.open()
     assert listing(meta, d.ino) == made
     assert [(name, file_type) for name, _, file_type, _ in
             meta.readdir_types_page(d.ino, 0, 10)] == [(b"f", stat.S_IFREG), (b"s", stat.S_IFLNK)]
-    check_store(meta)
-    meta.close()
 
 
 # -- concurrency ----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import takewhile
 from typing import TypeVar
 
 from kvfs.engine import Engine, Txn
@@ -84,6 +85,12 @@ class MetaBase:
         txn.put("dentry", u64(parent) + name, u64(inode.ino) + cookie)
         txn.put("dirlist", u64(parent) + cookie, listing_entry(inode.ino, inode.mode, name))
         txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
+
+    def _entries(self, txn: Txn, parent: int, after: int = -1) -> Iterator[tuple[bytes, bytes]]:
+        """`dirlist` records of `parent` with a cookie > after, in cookie order."""
+        prefix = u64(parent)
+        return takewhile(lambda entry: entry[0][:8] == prefix,
+                         txn.scan("dirlist", prefix + u64(after + 1)))
 
     def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
         # The entry is read (a shared engine checks it at commit); its listing and link

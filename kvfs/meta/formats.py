@@ -94,12 +94,18 @@ class FormatOps(MetaBase):
 
     def _migrate_from_v3(self, txn: Txn) -> None:
         """kvfs-3 listing entries held the child's inode number and name: its type joins
-        them (entries of inodes gone are dropped)."""
-        for key, value in list(txn.scan("dirlist")):
-            raw = txn.get("inode", bytes(value[:8]))
-            if raw is None:
-                txn.delete("dirlist", key)
-            else:
-                txn.put("dirlist", key, listing_entry(from_u64(value), mode_of(raw),
-                                                      bytes(value[8:])))
+        them (entries of inodes gone are dropped). Directory by directory: a shared engine
+        keeps each one's entries apart."""
+        directories = [from_u64(key) for key, raw in txn.scan("inode")
+                       if stat.S_ISDIR(mode_of(raw))]
+        for directory in directories:
+            entries = list(self._entries(txn, directory))
+            children = txn.get_many("inode", [bytes(value[:8]) for _, value in entries])
+            for (key, value), raw in zip(entries, children, strict=True):
+                if raw is None:
+                    txn.delete("dirlist", key)
+                else:
+                    txn.put("dirlist", key, listing_entry(from_u64(value), mode_of(raw),
+                                                          bytes(value[8:])))
         txn.put("settings", b"format", FORMAT)
+

@@ -7,7 +7,7 @@ import errno
 import stat
 import time
 from collections.abc import Callable, Iterator
-from itertools import islice, takewhile
+from itertools import islice
 
 from kvfs.engine import ChangesPending, Txn
 from kvfs.meta.base import MetaBase
@@ -70,12 +70,6 @@ class NamespaceOps(MetaBase):
         if target is None:
             raise fail(errno.EINVAL)
         return bytes(target)
-
-    def _entries(self, txn: Txn, parent: int, after: int) -> Iterator[tuple[bytes, bytes]]:
-        """`dirlist` records of `parent` with a cookie > after, in cookie order."""
-        prefix = u64(parent)
-        return takewhile(lambda entry: entry[0][:8] == prefix,
-                         txn.scan("dirlist", prefix + u64(after + 1)))
 
     def readdir(self, parent: int, after: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
