@@ -168,12 +168,15 @@ class Check:
 
 
 class RssSampler:
-    """Samples the kvfs daemon's RSS (whichever daemon is current) and keeps the peak per phase."""
+    """Samples the kvfs daemon's RSS (whichever daemon is current) and keeps the peak per phase:
+    all of it, and its private part (less file pages it maps: LMDB's map of the metadata,
+    page cache the kernel may drop, grows with the names the volume holds)."""
 
     def __init__(self, mount: KvfsMount) -> None:
         self.mount = mount
         self.phase = "start"
         self.peaks: dict[str, int] = {}
+        self.private_peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -191,10 +194,12 @@ class RssSampler:
             if not pid:
                 continue
             try:
-                rss = psutil.Process(pid).memory_info().rss
+                memory = psutil.Process(pid).memory_info()
             except psutil.Error:
                 continue
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), memory.rss)
+            private = memory.rss - memory.shared  # (Linux: shared is RssFile + RssShmem)
+            self.private_peaks[self.phase] = max(self.private_peaks.get(self.phase, 0), private)
 
 
 def in_processes(worker: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
@@ -849,9 +854,11 @@ def checks(bench: Bench) -> list[Check]:
     if peak is not None:
         found.append(Check("daemon RSS peak reading", f"< cache + 150 MiB = {limit:.0f} MiB",
                            f"{peak:.0f} MiB", peak < limit))
-    if bench.rss.peaks:
-        phase, highest = max(bench.rss.peaks.items(), key=lambda item: item[1])
-        found.append(Check(f"daemon RSS peak, whole run ({phase})",
+    if bench.rss.private_peaks:
+        phase, highest = max(bench.rss.private_peaks.items(), key=lambda item: item[1])
+        phase_rss = bench.rss.peaks[phase] / MIB
+        found.append(Check(f"daemon private memory peak, whole run ({phase}; RSS with the "
+                           f"metadata map {phase_rss:.0f} MiB)",
                            f"< cache + 150 MiB = {limit:.0f} MiB", f"{highest / MIB:.0f} MiB",
                            highest / MIB < limit))
     return found
@@ -913,6 +920,7 @@ def save(bench: Bench, found: list[Check], out: Path, started: float, finished: 
         "metrics": [m.as_json() for m in bench.metrics.values()],
         "checks": [asdict(c) for c in found],
         "rss_peak_bytes_by_phase": bench.rss.peaks,
+        "private_memory_peak_bytes_by_phase": bench.rss.private_peaks,
         "populate": bench.populate,
         "notes": bench.notes,
     }
