@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import stats
+from conftest import drop_caches, stats
 
 MiB = 1 << 20
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -258,6 +258,23 @@ def test_readdir_of_many_entries_is_complete(kvfs) -> None:
             else:
                 survivors.add(entry.name)
     assert set(os.listdir(directory)) == survivors
+
+
+def test_a_walk_of_a_wide_tree_looks_up_no_directory(kvfs) -> None:
+    """`du` of a tree whose top holds 2,500 directories: the top's whole listing comes in
+    its first READDIRPLUS, attributes included (kvfs tells glibc a 1 MiB buffer for such a
+    directory), so no subdirectory is looked up; with 256 KiB, a third of them were."""
+    top = kvfs.mountpoint / "top"
+    top.mkdir()
+    for index in range(2_500):
+        (top / f"{index:03x}").mkdir()
+    (top / "000" / "chunk").write_bytes(b"k" * 8192)
+    kvfs.remount()
+    drop_caches()
+    before = stats(kvfs.mountpoint)["requests"]["lookup"]["count"]
+    assert sh("du", "-s", "--block-size=1", str(top)).split()[0] == "8192"
+    looked_up = stats(kvfs.mountpoint)["requests"]["lookup"]["count"] - before
+    assert looked_up < 10, f"{looked_up} lookups for a walk of 2,500 directories"
 
 
 def test_close_to_open_isolation(make_mount) -> None:
