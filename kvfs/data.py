@@ -638,6 +638,6 @@ def _state_of(status: os.stat_result) -> tuple[int, int]:
     return status.st_size, status.st_mtime_ns
 
 
-def _unlink_quietly(path: str | Path) -> None:
+def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

@@ -108,4 +108,3 @@ class FormatOps(MetaBase):
                     txn.put("dirlist", key, listing_entry(from_u64(value), mode_of(raw),
                                                           bytes(value[8:])))
         txn.put("settings", b"format", FORMAT)
-

@@ -90,11 +90,12 @@ class NamespaceOps(MetaBase):
                            ) -> list[tuple[bytes, int, int, int]]:
         """Like `readdir_page`, for a listing without attributes: (name, inode number, file
         type as mode bits, cookie), from the listing records alone (no inode is read)."""
+        page = []
         with self.engine.snapshot() as txn:
-            return [(name, ino, file_type, from_u64(key[8:]))
-                    for key, (ino, file_type, name) in
-                    ((key, listed(value)) for key, value in
-                     islice(self._entries(txn, parent, after), limit))]
+            for key, value in islice(self._entries(txn, parent, after), limit):
+                ino, file_type, name = listed(value)
+                page.append((name, ino, file_type, from_u64(key[8:])))
+        return page
 
     def inodes(self) -> Iterator[Inode]:
         with self.engine.snapshot() as txn:
