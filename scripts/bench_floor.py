@@ -12,6 +12,11 @@ ask the daemon, whatever it has cached, and the answer is EEXIST), through four 
 The C and pyfuse3 daemons run twice: sleeping on /dev/fuse between requests, and polling it
 for kvfs's READ_SPIN_US first (kvfs's pyfuse3 patch; kvfs itself always polls): on a small VM
 most of a round trip is waking a sleeping daemon.
+Every daemon runs on the first CPU this process may use, and each stack is timed three ways:
+the client wherever the scheduler puts it (what clients get), on the daemon's CPU, and on
+another CPU. On this VM, waking a CPU that has gone idle is most of a round trip, and a
+sequential client's CPU goes idle at every request it waits for; a daemon on the client's own
+CPU (what FUSE over io_uring's per-CPU queues give) skips that wake-up.
 A store of vLLM's tier sends 11 requests (3 lookups, 2 getattrs of the directory, create,
 getxattr, flush, release, rename), so 11 × the floor bounds the files per second any daemon of
 that stack can store. Medians of --runs runs, each of --calls calls. Needs root (mounting) and
@@ -129,6 +134,25 @@ def forced_lookups(path: Path, calls: int) -> float:
     return (time.perf_counter() - started) / calls * 1e6
 
 
+def placements(cpus: set[int]) -> dict[str, set[int]]:
+    """Where the client may run, by name: the daemons run on min(cpus)."""
+    daemon_cpu = min(cpus)
+    found = {"client anywhere": cpus, "client on the daemon's CPU": {daemon_cpu}}
+    if len(cpus) > 1:
+        found["client on another CPU"] = cpus - {daemon_cpu}
+    return found
+
+
+@contextmanager
+def running_on(cpus: set[int]) -> Iterator[None]:
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000, help="requests per run")
@@ -139,8 +163,11 @@ def main() -> int:
     console = Console(highlight=False)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="floor-", dir=args.workdir))
+    cpus = os.sched_getaffinity(0)
+    wheres = placements(cpus)
     try:
-        with ExitStack() as stack:
+        # The daemons are started from here, pinned to one CPU (they inherit it).
+        with ExitStack() as stack, running_on({min(cpus)}):
             (work / "plain").mkdir()
             floor = str(build_floor_daemon(work))
             stacks: dict[str, Path] = {"plain directory (no FUSE)": work / "plain"}
@@ -154,32 +181,46 @@ def main() -> int:
             stacks["kvfs"] = stack.enter_context(kvfs_mount(work))
             for root in (stacks["plain directory (no FUSE)"], stacks["kvfs"]):
                 (root / "f").write_bytes(b"")
-            micros = {name: [] for name in stacks}
+            micros = {where: {name: [] for name in stacks} for where in wheres}
             for run in range(args.runs):
-                for name, root in stacks.items():
-                    forced_lookups(root / "f", min(1000, args.calls))  # warm
-                    micros[name].append(forced_lookups(root / "f", args.calls))
-                console.print(f"run {run + 1}: " + ", ".join(
-                    f"{name} {values[-1]:.1f} µs" for name, values in micros.items()))
+                for where, client_cpus in wheres.items():
+                    with running_on(client_cpus):
+                        for name, root in stacks.items():
+                            forced_lookups(root / "f", min(1000, args.calls))  # warm
+                            micros[where][name].append(forced_lookups(root / "f", args.calls))
+                    console.print(f"run {run + 1}, {where}: " + ", ".join(
+                        f"{name} {values[-1]:.1f} µs"
+                        for name, values in micros[where].items()))
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
-    medians = {name: statistics.median(values) for name, values in micros.items()}
-    plain = medians["plain directory (no FUSE)"]
-    table = Table(title=f"one LOOKUP request (median of {args.runs} × {args.calls})",
-                  header_style="bold")
-    for column in ("stack", "µs per call", "request cost (− plain)",
-                   f"stores/s bound ({REQUESTS_PER_STORE} requests)"):
-        table.add_column(column, justify="left" if column == "stack" else "right")
-    for name, value in medians.items():
-        cost = value - plain
-        bound = f"{1e6 / (REQUESTS_PER_STORE * cost):,.0f}" if cost > 0 else "-"
-        table.add_row(name, f"{value:.1f}", f"{cost:.1f}" if cost > 0 else "-", bound)
-    console.print(table)
+    medians = {where: {name: statistics.median(values) for name, values in by_stack.items()}
+               for where, by_stack in micros.items()}
+    console.print(floor_table(medians, f"one LOOKUP request, µs per call (median of "
+                                       f"{args.runs} × {args.calls}); stores/s it bounds"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"calls": args.calls, "runs": args.runs,
-                                        "micros": micros, "medians": medians}, indent=2))
+                                        "cpus": sorted(cpus), "micros": micros,
+                                        "medians": medians}, indent=2))
     return 0
+
+
+def floor_table(medians: dict[str, dict[str, float]], title: str) -> Table:
+    """Per stack and client placement: µs per call, and the stores/s that
+    REQUESTS_PER_STORE requests of that cost (above plain's) allow."""
+    table = Table(title=title, header_style="bold")
+    table.add_column("stack")
+    for where in medians:
+        table.add_column(where, justify="right")
+    stacks = next(iter(medians.values()))
+    for name in stacks:
+        cells = []
+        for by_stack in medians.values():
+            cost = by_stack[name] - by_stack["plain directory (no FUSE)"]
+            bound = f" ({1e6 / (REQUESTS_PER_STORE * cost):,.0f}/s)" if cost > 0 else ""
+            cells.append(f"{by_stack[name]:.1f}{bound}")
+        table.add_row(name, *cells)
+    return table
 
 
 if __name__ == "__main__":
