@@ -26,6 +26,7 @@ gcc; the mounts and the work directory are removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -89,11 +90,13 @@ def mounted(mountpoint: Path) -> bool:
 
 
 @contextmanager
-def foreground_daemon(command: list[str], mountpoint: Path, *extra: str) -> Iterator[Path]:
+def foreground_daemon(command: list[str], mountpoint: Path, *extra: str,
+                      log: Path | None = None) -> Iterator[Path]:
     """A daemon (`command` MOUNTPOINT `extra`...) that mounts `mountpoint` and serves until
-    unmounted; ended by its pid."""
+    unmounted; ended by its pid. `log`: where its stderr goes."""
     mountpoint.mkdir()
-    daemon = subprocess.Popen([*command, str(mountpoint), *extra])
+    with open(log, "wb") if log else contextlib.nullcontext() as stderr:
+        daemon = subprocess.Popen([*command, str(mountpoint), *extra], stderr=stderr)
     try:
         deadline = time.monotonic() + 30
         while not mounted(mountpoint):
@@ -121,11 +124,13 @@ def kvfs_mount(work: Path) -> Iterator[Path]:
         kvfs.unmount()
 
 
-def forced_lookups(path: Path, calls: int) -> float:
-    """Microseconds per open(O_CREAT|O_EXCL) of an existing name: one LOOKUP each."""
+def forced_lookups(paths: Sequence[Path], calls: int) -> float:
+    """Microseconds per open(O_CREAT|O_EXCL) of an existing name (of `paths`, in turn): one
+    LOOKUP each."""
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+    chosen = [str(paths[i % len(paths)]) for i in range(calls)]
     started = time.perf_counter()
-    for _ in range(calls):
+    for path in chosen:
         try:
             os.close(os.open(path, flags, 0o644))
             raise RuntimeError(f"{path} did not exist")
@@ -186,8 +191,9 @@ def main() -> int:
                 for where, client_cpus in wheres.items():
                     with running_on(client_cpus):
                         for name, root in stacks.items():
-                            forced_lookups(root / "f", min(1000, args.calls))  # warm
-                            micros[where][name].append(forced_lookups(root / "f", args.calls))
+                            forced_lookups([root / "f"], min(1000, args.calls))  # warm
+                            micros[where][name].append(forced_lookups([root / "f"],
+                                                                      args.calls))
                     console.print(f"run {run + 1}, {where}: " + ", ".join(
                         f"{name} {values[-1]:.1f} µs"
                         for name, values in micros[where].items()))

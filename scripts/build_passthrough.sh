@@ -1,58 +1,33 @@
 #!/usr/bin/env bash
-# FUSE passthrough for kvfs: build libfuse 3.17 (Debian trixie's source package, checksums
-# pinned below) into .venv/libfuse and install pyfuse3 3.5.0 with kvfs's passthrough patch
-# (scripts/pyfuse3-passthrough.patch), linked against it, into .venv. The system's libfuse
-# and apt sources are left alone. Idempotent; exits non-zero on any failure (setup.sh then
-# installs stock pyfuse3 and kvfs serves every byte itself).
+# FUSE passthrough for kvfs: build libfuse 3.17 (Debian trixie's source package, through
+# scripts/build_libfuse.sh) into .venv/libfuse and install pyfuse3 3.5.0 with kvfs's
+# passthrough patch (scripts/pyfuse3-passthrough.patch), linked against it, into .venv. The
+# system's libfuse and apt sources are left alone. Idempotent; exits non-zero on any failure
+# (setup.sh then installs stock pyfuse3 and kvfs serves every byte itself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 PY="$REPO/.venv/bin/python"
 PREFIX="$PWD/.venv/libfuse"
 WORK="$PWD/.venv/passthrough-build"
-FUSE_VERSION=3.17.2
-FUSE_DEBIAN=3.17.2-3
 PYFUSE3_VERSION=3.5.0
-SUMS="3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f  fuse3_${FUSE_VERSION}.orig.tar.gz
-eaf7a177761ae8bf99ea97619f2cccf83f169b4f000e17b6106834e69456b5a2  fuse3_${FUSE_DEBIAN}.debian.tar.xz
-88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24  pyfuse3-${PYFUSE3_VERSION}.tar.gz"
+SUMS="88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24  pyfuse3-${PYFUSE3_VERSION}.tar.gz"
 
+# 1. pyfuse3's source, checked against its pinned checksum.
 mkdir -p "$WORK"
 cd "$WORK"
-
-# 1. Sources, through a private apt configuration (deb-src of trixie) and pip.
 if ! sha256sum --quiet -c <<<"$SUMS" >/dev/null 2>&1; then
-    mkdir -p apt/parts apt/lists/partial apt/cache
-    printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-        >apt/parts/trixie-src.sources
-    APT=(-o Dir::Etc::sourcelist=/dev/null -o "Dir::Etc::sourceparts=$WORK/apt/parts"
-         -o "Dir::State::Lists=$WORK/apt/lists" -o "Dir::Cache=$WORK/apt/cache")
-    apt-get "${APT[@]}" update -qq
-    apt-get "${APT[@]}" source --download-only -qq "fuse3=$FUSE_DEBIAN" 2>/dev/null
     "$PY" -m pip download -q --no-deps --no-binary pyfuse3 \
         "pyfuse3==$PYFUSE3_VERSION" -d . 2>/dev/null
     sha256sum --quiet -c <<<"$SUMS"
 fi
 
-# 2. libfuse into the private prefix (Debian's patches, in series order).
+# 2. libfuse into the private prefix.
+cd "$REPO"
+bash scripts/build_libfuse.sh trixie 3.17.2-3 "$PREFIX"
 LIBDIR="$PREFIX/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)"
-if [[ ! -e "$LIBDIR/libfuse3.so.$FUSE_VERSION" ]]; then
-    rm -rf "fuse-$FUSE_VERSION" debian
-    tar xzf "fuse3_${FUSE_VERSION}.orig.tar.gz"
-    tar xJf "fuse3_${FUSE_DEBIAN}.debian.tar.xz"
-    while read -r patch; do
-        [[ -z $patch || $patch == \#* ]] || patch -d "fuse-$FUSE_VERSION" -p1 -s <"debian/patches/$patch"
-    done <debian/patches/series
-    "$PY" -m pip install -q meson ninja
-    export PATH="$REPO/.venv/bin:$PATH"
-    meson setup "fuse-$FUSE_VERSION/build" "fuse-$FUSE_VERSION" --prefix="$PREFIX" \
-        --libdir="$LIBDIR" -Dexamples=false -Dutils=false -Dtests=false -Dinitscriptdir= \
-        -Dudevrulesdir="$PREFIX/udev" -Duseroot=false >meson.log 2>&1
-    ninja -C "fuse-$FUSE_VERSION/build" install >ninja.log 2>&1
-fi
 
 # 3. pyfuse3 with the passthrough patch, against that libfuse (rpath: no system change).
-cd "$REPO"
 PATCHED="$WORK/pyfuse3-patched.sha256"  # the patch pyfuse3 was last built with
 if [[ "$(cat "$PATCHED" 2>/dev/null)" != "$(sha256sum <scripts/pyfuse3-passthrough.patch)" ]] ||
         ! "$PY" -c "import pyfuse3; pyfuse3.passthrough_enabled" 2>/dev/null; then
