@@ -88,6 +88,10 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--passthrough", choices=("auto", "off"), default="auto",
                         help="kernel FUSE passthrough where it is available (default auto)")
+    parser.add_argument("--io-uring", choices=("on", "off"), default="off",
+                        help="experimental: FUSE over io_uring where the kernel offers it "
+                             "(fuse module parameter enable_uring), lookups and getattrs "
+                             "answered on the caller's CPU (default off: /dev/fuse)")
     parser.add_argument("--odirect", choices=("kernel", "daemon"), default=MountConfig.odirect,
                         help="kernel: O_DIRECT opens pass through too, with the volume's "
                              "alignment rules, as on a plain directory; daemon: kvfs serves "
@@ -115,7 +119,7 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
-        prefetch_bytes=args.prefetch,
+        prefetch_bytes=args.prefetch, io_uring=args.io_uring == "on",
     )
     daemon.run(config)
 

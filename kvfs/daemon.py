@@ -22,7 +22,7 @@ from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
 from kvfs.files import FileTable
-from kvfs.fuse_ops import KernelNotifier, KvfsOperations
+from kvfs.fuse_ops import IO_URING, KernelNotifier, KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
@@ -66,6 +66,7 @@ class MountConfig:
     verify: VerifyMode = VerifyMode.ONCE  # ALWAYS: the daemon serves every byte
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
+    io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
 
 
 def check_mountpoint(path: Path) -> None:
@@ -141,6 +142,7 @@ class Daemon:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough)
+        self.operations.enable_io_uring = IO_URING and config.io_uring
 
     def _staged(self) -> int:
         return self.space.staged
@@ -157,6 +159,8 @@ class Daemon:
     def mount(self) -> None:
         options = set(pyfuse3.default_options)
         options |= {f"fsname=kvfs:{self.config.data}", "subtype=kvfs"}
+        if self.operations.enable_io_uring:
+            options.add("io_uring")  # used where the kernel offers it too
         if self.config.allow_other:
             options.add("allow_other")
         if self.config.debug:

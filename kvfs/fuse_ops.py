@@ -8,6 +8,7 @@ answered with EIO, so no request can end the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import inspect
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
+import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.control import ControlFiles
@@ -84,7 +86,27 @@ READDIR_SLACK = 8  # entries read beyond what filled the last reply (names diffe
 # daemon (scripts/bench_floor.py, libfuse in C: 111 µs per request sleeping, 37-44 polling
 # 50-200 µs, 95 polling 20).
 READ_SPIN_US = 100
+# kvfs's pyfuse3 patch serves FUSE over io_uring (libfuse 3.18): one queue per CPU, each
+# request served on its caller's CPU. On this VM a LOOKUP through it costs ~20 µs wherever
+# the caller runs, against 40-100 through /dev/fuse (scripts/bench_uring.py).
+IO_URING = getattr(pyfuse3, "IO_URING", False)
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
+
+
+def fuse_error(ops: KvfsOperations, request: str, args: tuple, error: Exception) -> FUSEError:
+    """What a handler's exception tells the kernel; volume errors and bugs are also counted
+    and logged (no exception ever reaches pyfuse3: it would end the mount)."""
+    if isinstance(error, FUSEError):
+        return error
+    if isinstance(error, FsError):
+        return FUSEError(error.errno)
+    if isinstance(error, OSError):
+        ops.stats.volume_errors += 1
+        log.warning("%s%r: volume error: %s", request, args[:3], error)
+        return FUSEError(error.errno if error.errno in VOLUME_ERRNOS else errno.EIO)
+    ops.stats.handler_errors += 1
+    log.error("%s%r failed", request, args[:3], exc_info=error)
+    return FUSEError(errno.EIO)
 
 
 def guarded(method: Callable) -> Callable:
@@ -95,21 +117,32 @@ def guarded(method: Callable) -> Callable:
         started = time.perf_counter_ns()
         try:
             return await method(self, *args)
-        except FUSEError:
-            raise
-        except FsError as error:
-            raise FUSEError(error.errno) from None
-        except OSError as error:
-            self.stats.volume_errors += 1
-            log.warning("%s%r: volume error: %s", method.__name__, args[:3], error)
-            passed = error.errno if error.errno in VOLUME_ERRNOS else errno.EIO
-            raise FUSEError(passed) from None
-        except Exception:
-            self.stats.handler_errors += 1
-            log.exception("%s%r failed", method.__name__, args[:3])
-            raise FUSEError(errno.EIO) from None
+        except Exception as error:
+            raise fuse_error(self, request, args, error) from None
         finally:
             self.stats.requests.record(request, time.perf_counter_ns() - started)
+
+    return wrapper
+
+
+def guarded_now(method: Callable) -> Callable:
+    """`guarded` for a fast path run on an io_uring queue thread (`lookup_now`): counted
+    under its request's name when it answers."""
+    request = method.__name__.removesuffix("_now")
+
+    @functools.wraps(method)
+    def wrapper(self: KvfsOperations, *args: Any) -> Any:
+        started = time.perf_counter_ns()
+        try:
+            answer = method(self, *args)
+        except Exception as error:
+            answer = fuse_error(self, request, args, error)
+        if answer is not None:
+            self.stats.answered_on_caller_cpu += 1
+            self.stats.requests.record(request, time.perf_counter_ns() - started)
+        if isinstance(answer, FUSEError):
+            raise answer
+        return answer
 
     return wrapper
 
@@ -118,6 +151,8 @@ def guard_handlers(cls: type) -> type:
     for name, member in list(vars(cls).items()):
         if inspect.iscoroutinefunction(member) and not name.startswith("_"):
             setattr(cls, name, guarded(member))
+        elif name.endswith("_now"):
+            setattr(cls, name, guarded_now(member))
     return cls
 
 
@@ -250,6 +285,9 @@ class KvfsOperations(pyfuse3.Operations):
         self.passthrough = passthrough
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
         self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
+        # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
+        # asks (--io-uring on): lookups and getattrs answered on the caller's CPU.
+        self.enable_io_uring = False
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
@@ -263,7 +301,12 @@ class KvfsOperations(pyfuse3.Operations):
         return SHARED_CACHING if self.meta.engine.watching() else SHARED_UNWATCHED_CACHING
 
     def init(self) -> None:
-        """The kernel's INIT is answered: say which data path the mount has."""
+        """The kernel's INIT is answered: say which paths requests and data take."""
+        if getattr(pyfuse3, "io_uring_requested_at_init", lambda: False)():
+            log.info("requests: FUSE over io_uring asked for (lookups and getattrs on the "
+                     "caller's CPU; .kvfs/stats answered_on_caller_cpu counts them)")
+        else:
+            log.info("requests: /dev/fuse")
         if self.passthrough.available():
             log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:
@@ -300,19 +343,53 @@ class KvfsOperations(pyfuse3.Operations):
         inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name,
                                                 cached=True)
         racing = self.notifier.changed_since(parent_inode, name, started)
+        return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
+
+    def lookup_now(self, parent_inode: int, name: bytes, ctx: RequestContext
+                   ) -> EntryAttributes | None:
+        """LOOKUP on an io_uring queue thread, on the caller's CPU, with the GIL (patched
+        pyfuse3): the embedded engine answers at once, no wake-up of the loop's CPU. None
+        where the loop answers: a shared engine (a round trip), `.`, `..`, the control files.
+        What it touches of the loop's state is safe from another thread under the GIL (one
+        counter, one dict item), and the prefetcher hears of stored chunks on the loop."""
+        if (self.meta_call.blocking or name in (b".", b"..")
+                or self.control.is_reserved(parent_inode, name)):
+            return None
+        inode = self.meta.lookup(parent_inode, name, cached=True)
+        if inode is not None and self.files.is_open(inode.ino):
+            # The loop may still owe it a RELEASE, which the kernel does not wait for (and
+            # which commits the writer's last changes): the answer comes after it there.
+            return None
+        return self._looked_up(inode, False, ctx, self._prefetch_from_thread)
+
+    def _looked_up(self, inode: Inode | None, racing: bool, ctx: RequestContext,
+                   tell_prefetcher: Callable[[Inode, Caller], None]) -> EntryAttributes:
         if inode is None:
             self.stats.lookup_misses += 1
             return negative_entry(0.0 if racing else self.caching.negative)
         self.stats.lookup_hits += 1
         self.space.note_use(inode.ino)
-        self.files.prefetcher.looked_up(inode, caller(ctx))
+        tell_prefetcher(inode, caller(ctx))
         entry = self._entry(inode)  # it has a name: not a file unlinked while open
         if racing:
             entry.entry_timeout = entry.attr_timeout = 0.0
         return entry
 
+    def _prefetch_from_thread(self, inode: Inode, who: Caller) -> None:
+        prefetcher, loop = self.files.prefetcher, pyfuse3.trio_token
+        if loop is not None and prefetcher.wants(inode):
+            with contextlib.suppress(trio.RunFinishedError):  # unmounting
+                loop.run_sync_soon(prefetcher.looked_up, inode, who)
+
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
         return self._entry(await self._attributes(inode))
+
+    def getattr_now(self, inode: int, ctx: RequestContext) -> EntryAttributes | None:
+        """GETATTR on an io_uring queue thread, as `lookup_now`; files open on this host
+        (writers' sizes, a RELEASE still to come) go to the loop."""
+        if self.meta_call.blocking or self.control.owns(inode) or self.files.is_open(inode):
+            return None
+        return self._entry(self.meta.get(inode, cached=True))
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:

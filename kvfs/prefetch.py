@@ -95,10 +95,15 @@ class Prefetcher:
 
     # -- on the request path ---------------------------------------------------------------
 
+    def wants(self, inode: Inode) -> bool:
+        """Whether a lookup of `inode` concerns the prefetcher: a stored chunk."""
+        return (bool(self.budget) and not inode.is_dir and inode.blob != 0
+                and inode.size >= MIN_BYTES)
+
     def looked_up(self, inode: Inode, caller: Caller) -> None:
         """A lookup found `inode` by name: queue it if it is part of a burst of lookups of
         stored chunks by one process."""
-        if not self.budget or inode.is_dir or not inode.blob or inode.size < MIN_BYTES:
+        if not self.wants(inode):
             return
         process = self._process(caller)
         now = self._looked_up_at = time.monotonic()

@@ -173,8 +173,11 @@ class Space:
     # -- recency -------------------------------------------------------------------------
 
     def note_use(self, ino: int) -> None:
-        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches."""
-        self._uses[ino] = time.time_ns()
+        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches. Also
+        from an io_uring queue thread: the clock is read first, so that the GIL cannot pass
+        to the loop (`take_uses`) between reading `_uses` and storing into it."""
+        now = time.time_ns()
+        self._uses[ino] = now
 
     def take_uses(self) -> dict[int, int]:
         uses, self._uses = self._uses, {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
 
 # Upper bounds of the request-latency buckets, microseconds: powers of two, 16 µs to 1 s.
@@ -15,15 +16,18 @@ class RequestTimes:
     def __init__(self) -> None:
         self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
         self._seconds: dict[str, float] = {}
+        self._recording = threading.Lock()  # the loop and io_uring queue threads record
 
     def record(self, request: str, elapsed_ns: int) -> None:
-        buckets = self._buckets.get(request)
-        if buckets is None:
-            buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
-            self._seconds[request] = 0.0
         micros = elapsed_ns // 1000
-        buckets[min(len(LATENCY_BOUNDS_US), max(0, (micros - 1).bit_length() - 4))] += 1
-        self._seconds[request] += elapsed_ns / 1e9
+        bucket = min(len(LATENCY_BOUNDS_US), max(0, (micros - 1).bit_length() - 4))
+        with self._recording:
+            buckets = self._buckets.get(request)
+            if buckets is None:
+                buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
+                self._seconds[request] = 0.0
+            buckets[bucket] += 1
+            self._seconds[request] += elapsed_ns / 1e9
 
     def histograms(self) -> dict[str, tuple[list[int], float]]:
         """request -> (counts per bucket of LATENCY_BOUNDS_US then overflow, total seconds);
@@ -51,6 +55,8 @@ def _quantile(buckets: list[int], share: float) -> int | None:
 class Stats:
     lookup_hits: int = 0
     lookup_misses: int = 0
+    # lookups and getattrs answered on an io_uring queue thread, on the caller's CPU
+    answered_on_caller_cpu: int = 0
     bytes_opened: int = 0  # committed content opened for reading, however it is then read
     bytes_committed: int = 0  # content writers committed (whoever moved the bytes)
     bytes_read: int = 0  # served by the daemon (not through the kernel's passthrough)

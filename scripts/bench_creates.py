@@ -1,7 +1,7 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
-                                              [--redis]
+                                              [--redis] [--io-uring]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
@@ -9,7 +9,8 @@ temporary name `O_CREAT|O_EXCL|O_WRONLY|O_TRUNC`, one write, close, `os.replace`
 destination. The files go into one directory per run, spread over 16 subdirectories as
 vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
-a throwaway local Redis (a shared pool of one host) and is measured beside the first. Needs
+a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
+--io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`). Needs
 root (mounting). The mounts, Redis and the work directory (default bench-work/ in the
 repository) are removed at the end.
 """
@@ -74,12 +75,18 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
     parser.add_argument("--redis", action="store_true",
                         help="also measure a mount whose metadata is in Redis")
+    parser.add_argument("--io-uring", action="store_true",
+                        help="also measure an LMDB mount with --io-uring on (the kernel's "
+                             "fuse.enable_uring must be on)")
     args = parser.parse_args()
     console = Console(highlight=False)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
     redis = LocalRedis(work / "redis") if args.redis else None
     mounts = {"kvfs": KvfsMount(work / "data", work / "mnt", [])}
+    if args.io_uring:
+        mounts["kvfs-io_uring"] = KvfsMount(work / "uring-data", work / "uring-mnt",
+                                            ["--io-uring", "on"])
     if redis is not None:
         mounts["kvfs-redis"] = KvfsMount(work / "redis-data", work / "redis-mnt",
                                          ["--meta", redis.url])

@@ -16,11 +16,11 @@ Times one LOOKUP (an `O_CREAT|O_EXCL` of an existing name) through:
 - the same daemon calling Python with the GIL on the serving thread (scripts/ring_lookup.py):
   answering from constants, and looking the name up in a kvfs metadata store of --names
   names through kvfs's own `MetaStore.lookup`, both ways,
-- kvfs itself (pyfuse3 on trio, polling /dev/fuse), over a store of the same names,
+- kvfs itself over a store of the same names: over /dev/fuse (polling) and with
+  `--io-uring on` (its lookups answered on the queue threads: `lookup_now`),
 each with the client anywhere, on the daemons' CPU and on another (bench_floor.py's
-placements). Builds libfuse 3.18.3 from Debian's source package into .venv/libfuse-uring
-(scripts/build_libfuse.sh; installs liburing-dev and libnuma-dev if missing). Needs root,
-gcc and the kernel's io_uring for FUSE: `--enable-uring` turns the fuse module's
+placements). Uses the libfuse 3.18 that scripts/setup.sh builds into .venv/libfuse. Needs
+root, gcc and the kernel's io_uring for FUSE: `--enable-uring` turns the fuse module's
 `enable_uring` on for the run (and back off after). Medians of --runs runs.
 """
 
@@ -52,9 +52,7 @@ from kvfs.meta.schema import FAMILIES
 from kvfs.volume import DEFAULT_MAP_SIZE
 
 ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
-LIBFUSE = REPO / ".venv" / "libfuse-uring"
-LIBFUSE_DEBIAN = ("sid", "3.18.3-1")
-URING_PACKAGES = ("liburing-dev", "libnuma-dev")
+LIBFUSE = REPO / ".venv" / "libfuse"
 PLAIN = "plain directory (no FUSE)"
 # LOOKUP answered by: C constants, or ring_lookup.setup("constant") or (a store) its path.
 HANDLERS = {"C, constants": None, "Python, constants": "constant",
@@ -62,19 +60,8 @@ HANDLERS = {"C, constants": None, "Python, constants": "constant",
 ROOT = 1
 
 
-def install_missing(packages: tuple[str, ...]) -> None:
-    missing = [name for name in packages
-               if subprocess.run(["dpkg", "-s", name], capture_output=True).returncode]
-    if missing:
-        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True,
-                       stdout=subprocess.DEVNULL)
-
-
 def build_ring_daemon(work: Path) -> Path:
-    """fuse_ring_floor against libfuse 3.18 (built first) and this Python's libpython."""
-    install_missing(URING_PACKAGES)
-    subprocess.run(["bash", str(REPO / "scripts" / "build_libfuse.sh"), *LIBFUSE_DEBIAN,
-                    str(LIBFUSE)], check=True)
+    """fuse_ring_floor against kvfs's libfuse (3.18, scripts/setup.sh) and this Python."""
     [library] = LIBFUSE.glob("lib/*/libfuse3.so")
     python_libdir = sysconfig.get_config_var("LIBDIR")
     binary = work / "fuse_ring_floor"
@@ -150,12 +137,15 @@ def main() -> int:
                         log=work / f"daemon-{index}.log"))
                     stacks[f"libfuse 3.18, {what}, {how}"] = (
                         mountpoint, names if handler == "store" else ["f"])
-            kvfs = KvfsMount(work / "kvfs-data", work / "kvfs", [])
-            kvfs.mountpoint.mkdir()
-            kvfs.mount()
-            stack.callback(kvfs.unmount)
-            make_empty_files(str(kvfs.mountpoint), 0, args.names)
-            stacks["kvfs today (pyfuse3 on trio, polling /dev/fuse)"] = (kvfs.mountpoint, names)
+            for how, options in (("/dev/fuse, polling", []),
+                                 ("io_uring", ["--io-uring", "on"])):
+                kvfs = KvfsMount(work / f"kvfs-data-{len(stacks)}", work / f"kvfs-{len(stacks)}",
+                                 options)
+                kvfs.mountpoint.mkdir()
+                kvfs.mount()
+                stack.callback(kvfs.unmount)
+                make_empty_files(str(kvfs.mountpoint), 0, args.names)
+                stacks[f"kvfs (pyfuse3 on trio), {how}"] = (kvfs.mountpoint, names)
             micros = {where: {name: [] for name in stacks} for where in wheres}
             for run in range(args.runs):
                 for where, client_cpus in wheres.items():

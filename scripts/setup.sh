@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config fio redis-server)
+# liburing-dev and libnuma-dev: libfuse 3.18's FUSE over io_uring (scripts/build_passthrough.sh)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config fio redis-server liburing-dev libnuma-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -26,8 +27,8 @@ LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
     pyzmq transformers cryptography "setuptools>=77.0.3,<81")
 
 stamp=.venv/.kvfs-setup-stamp
-want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/build_libfuse.sh
-    scripts/pyfuse3-passthrough.patch | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/pyfuse3-passthrough.patch
+    scripts/libfuse-uring-submit.patch | sha256sum | cut -d' ' -f1)"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     echo "setup: installing Python packages into .venv (first run takes a few minutes)"
     $PY -m pip install -q --upgrade pip

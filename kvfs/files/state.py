@@ -227,6 +227,9 @@ class FileState:
     def open_inodes(self) -> frozenset[int]:
         return frozenset(self._open)
 
+    def is_open(self, ino: int) -> bool:
+        return ino in self._open
+
     def has_writer(self, ino: int) -> bool:
         state = self._open.get(ino)
         return state is not None and any(handle.writable for handle in state.handles)
