@@ -27,7 +27,7 @@ LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
     pyzmq transformers cryptography "setuptools>=77.0.3,<81")
 
 stamp=.venv/.kvfs-setup-stamp
-want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/pyfuse3-passthrough.patch
+want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/pyfuse3-passthrough.patch \
     scripts/libfuse-uring-submit.patch | sha256sum | cut -d' ' -f1)"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     echo "setup: installing Python packages into .venv (first run takes a few minutes)"
