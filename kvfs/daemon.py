@@ -22,7 +22,7 @@ from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
 from kvfs.files import FileTable
-from kvfs.fuse_ops import IO_URING, KernelNotifier, KvfsOperations
+from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
@@ -141,8 +141,7 @@ class Daemon:
             self.files.hasher.want(blob_id)
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier, self.passthrough)
-        self.operations.enable_io_uring = IO_URING and config.io_uring
+                                         self.notifier, self.passthrough, config.io_uring)
 
     def _staged(self) -> int:
         return self.space.staged

@@ -273,7 +273,7 @@ def negative_entry(timeout: float) -> EntryAttributes:
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough, io_uring: bool) -> None:
         super().__init__()
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine)
@@ -287,7 +287,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
         # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
         # asks (--io-uring on): lookups and getattrs answered on the caller's CPU.
-        self.enable_io_uring = False
+        self.enable_io_uring = IO_URING and io_uring
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
@@ -302,7 +302,8 @@ class KvfsOperations(pyfuse3.Operations):
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which paths requests and data take."""
-        if getattr(pyfuse3, "io_uring_requested_at_init", lambda: False)():
+        # (the patch's function; IO_URING says the patch is there)
+        if self.enable_io_uring and pyfuse3.io_uring_requested_at_init():  # type: ignore[attr-defined]
             log.info("requests: FUSE over io_uring asked for (lookups and getattrs on the "
                      "caller's CPU; .kvfs/stats answered_on_caller_cpu counts them)")
         else:

@@ -186,29 +186,41 @@ def main() -> int:
             stacks["kvfs"] = stack.enter_context(kvfs_mount(work))
             for root in (stacks["plain directory (no FUSE)"], stacks["kvfs"]):
                 (root / "f").write_bytes(b"")
-            micros = {where: {name: [] for name in stacks} for where in wheres}
-            for run in range(args.runs):
-                for where, client_cpus in wheres.items():
-                    with running_on(client_cpus):
-                        for name, root in stacks.items():
-                            forced_lookups([root / "f"], min(1000, args.calls))  # warm
-                            micros[where][name].append(forced_lookups([root / "f"],
-                                                                      args.calls))
-                    console.print(f"run {run + 1}, {where}: " + ", ".join(
-                        f"{name} {values[-1]:.1f} µs"
-                        for name, values in micros[where].items()))
+            micros = time_placements({name: [root / "f"] for name, root in stacks.items()},
+                                     wheres, args.runs, args.calls, console)
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
+    report(micros, args.runs, args.calls, args.out, console, cpus=sorted(cpus))
+    return 0
+
+
+def time_placements(stacks: dict[str, list[Path]], wheres: dict[str, set[int]], runs: int,
+                    calls: int, console: Console) -> dict[str, dict[str, list[float]]]:
+    """µs per forced LOOKUP of each stack's paths: placement -> stack -> one per run."""
+    micros: dict[str, dict[str, list[float]]] = {where: {name: [] for name in stacks}
+                                                 for where in wheres}
+    for run in range(runs):
+        for where, client_cpus in wheres.items():
+            with running_on(client_cpus):
+                for name, paths in stacks.items():
+                    forced_lookups(paths, min(1000, calls))  # warm
+                    micros[where][name].append(forced_lookups(paths, calls))
+            console.print(f"run {run + 1}, {where}: " + ", ".join(
+                f"{name} {values[-1]:.1f} µs" for name, values in micros[where].items()))
+    return micros
+
+
+def report(micros: dict[str, dict[str, list[float]]], runs: int, calls: int,
+           out: Path | None, console: Console, **facts: object) -> None:
+    """The medians as a table, and everything as JSON in `out` (with `facts`)."""
     medians = {where: {name: statistics.median(values) for name, values in by_stack.items()}
                for where, by_stack in micros.items()}
     console.print(floor_table(medians, f"one LOOKUP request, µs per call (median of "
-                                       f"{args.runs} × {args.calls}); stores/s it bounds"))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"calls": args.calls, "runs": args.runs,
-                                        "cpus": sorted(cpus), "micros": micros,
-                                        "medians": medians}, indent=2))
-    return 0
+                                       f"{runs} × {calls}); stores/s it bounds"))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"calls": calls, "runs": runs, **facts, "micros": micros,
+                                   "medians": medians}, indent=2))
 
 
 def floor_table(medians: dict[str, dict[str, float]], title: str) -> Table:

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import shutil
 import stat
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -42,9 +40,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from bench_floor import floor_table, forced_lookups, foreground_daemon, placements, running_on
+from bench_floor import foreground_daemon, placements, report, running_on, time_placements
 from bench_io import REPO, KvfsMount, kv_name, make_empty_files
 from rich.console import Console
+from ring_lookup import ROOT
 
 from kvfs.engine import LmdbEngine
 from kvfs.meta import MetaStore
@@ -53,11 +52,10 @@ from kvfs.volume import DEFAULT_MAP_SIZE
 
 ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
 LIBFUSE = REPO / ".venv" / "libfuse"
-PLAIN = "plain directory (no FUSE)"
+PLAIN = "plain directory (no FUSE)"  # (bench_floor's floor_table subtracts it by name)
 # LOOKUP answered by: C constants, or ring_lookup.setup("constant") or (a store) its path.
 HANDLERS = {"C, constants": None, "Python, constants": "constant",
             "Python, kvfs's MetaStore.lookup": "store"}
-ROOT = 1
 
 
 def build_ring_daemon(work: Path) -> Path:
@@ -146,28 +144,14 @@ def main() -> int:
                 stack.callback(kvfs.unmount)
                 make_empty_files(str(kvfs.mountpoint), 0, args.names)
                 stacks[f"kvfs (pyfuse3 on trio), {how}"] = (kvfs.mountpoint, names)
-            micros = {where: {name: [] for name in stacks} for where in wheres}
-            for run in range(args.runs):
-                for where, client_cpus in wheres.items():
-                    with running_on(client_cpus):
-                        for name, (root, chosen) in stacks.items():
-                            paths = [root / entry for entry in chosen]
-                            forced_lookups(paths, min(1000, args.calls))  # warm
-                            micros[where][name].append(forced_lookups(paths, args.calls))
-                    console.print(f"run {run + 1}, {where}: " + ", ".join(
-                        f"{name} {values[-1]:.1f} µs" for name, values in micros[where].items()))
+            micros = time_placements({name: [root / entry for entry in chosen]
+                                      for name, (root, chosen) in stacks.items()},
+                                     wheres, args.runs, args.calls, console)
             check_transport(work, stacks)
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
-    medians = {where: {name: statistics.median(values) for name, values in by_stack.items()}
-               for where, by_stack in micros.items()}
-    console.print(floor_table(medians, f"one LOOKUP request, µs per call (median of "
-                                       f"{args.runs} × {args.calls}); stores/s it bounds"))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"calls": args.calls, "runs": args.runs,
-                                        "names": args.names, "cpus": sorted(cpus),
-                                        "micros": micros, "medians": medians}, indent=2))
+    report(micros, args.runs, args.calls, args.out, console, names=args.names,
+           cpus=sorted(cpus))
     return 0
 
 
