@@ -700,9 +700,7 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
                                  follow_symlinks=follow))
         if outcome[0] == "ok":
             for parts in (source, dest):
-                self.both(f"lstat {'/'.join(parts)} after link",
-                          lambda root, parts=parts: summary(root.joinpath(*parts),
-                                                            self.is_plain(root)))
+                self.both(f"lstat {'/'.join(parts)} after link", self.summarized(parts, False))
 
     @rule(data=st.data(), mode=file_modes)
     def mkfifo(self, data: st.DataObject, mode: int) -> None:
