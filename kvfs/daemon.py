@@ -21,6 +21,7 @@ import trio
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
+from kvfs.cpu_latency import CpuLatency
 from kvfs.files import FileTable
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
@@ -67,6 +68,7 @@ class MountConfig:
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
     io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
+    cpu_latency_us: int | None = None  # CPU wake-up limit while requests flow; None: none
 
 
 def check_mountpoint(path: Path) -> None:
@@ -139,6 +141,8 @@ class Daemon:
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
+        self.cpu_latency = (None if config.cpu_latency_us is None
+                            else CpuLatency(config.cpu_latency_us, self.stats))
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough, config.io_uring)
@@ -203,6 +207,8 @@ class Daemon:
             nursery.start_soon(self.files.prefetcher.run)
             nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)
+            if self.cpu_latency is not None:
+                nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -221,6 +227,8 @@ class Daemon:
     def close(self) -> None:
         self.notifier.stop()  # before the session it notifies goes
         pyfuse3.close(unmount=True)
+        if self.cpu_latency is not None:
+            self.cpu_latency.close()
         try:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()

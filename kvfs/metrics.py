@@ -35,6 +35,7 @@ COUNTERS = {
     "prefetch_bytes": "Bytes read and verified after lookups, ahead of their opens",
     "prefetch_used_bytes": "Prefetched bytes a reader opened later",
     "prefetch_wasted_bytes": "Prefetched bytes no reader opened within a minute",
+    "cpu_latency_held_seconds": "Seconds the CPUs were kept quick to wake (--cpu-latency)",
 }
 REQUESTS = ("kvfs_request_seconds",
             "Time the daemon took to answer FUSE requests, by request (its own part)")

@@ -17,6 +17,7 @@ class RequestTimes:
         self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
         self._seconds: dict[str, float] = {}
         self._recording = threading.Lock()  # the loop and io_uring queue threads record
+        self.answered = 0  # requests of every kind, so far
 
     def record(self, request: str, elapsed_ns: int) -> None:
         micros = elapsed_ns // 1000
@@ -27,6 +28,7 @@ class RequestTimes:
                 buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
                 self._seconds[request] = 0.0
             buckets[bucket] += 1
+            self.answered += 1
             self._seconds[request] += elapsed_ns / 1e9
 
     def histograms(self) -> dict[str, tuple[list[int], float]]:
@@ -83,6 +85,7 @@ class Stats:
     sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
     sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
     blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
+    cpu_latency_held_seconds: float = 0.0  # CPUs kept quick to wake (--cpu-latency)
     requests: RequestTimes = field(default_factory=RequestTimes)
 
     def as_dict(self) -> dict[str, object]:

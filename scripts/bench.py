@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -215,13 +216,14 @@ def throughput(spans: list[Span]) -> float:
 
 
 class Bench:
-    def __init__(self, plan: Plan, workdir: Path, groups: list[str]) -> None:
+    def __init__(self, plan: Plan, workdir: Path, groups: list[str],
+                 mount_options: list[str]) -> None:
         self.plan = plan
         self.groups = groups
         self.workdir = workdir
         self.plain = workdir / "plain"
-        self.kvfs = KvfsMount(workdir / "kvfs-data", workdir / "mnt",
-                              ["--cache-size", str(plan.cache_bytes)])
+        self.mount_options = ["--cache-size", str(plan.cache_bytes), *mount_options]
+        self.kvfs = KvfsMount(workdir / "kvfs-data", workdir / "mnt", self.mount_options)
         self.roots = {"plain": self.plain, "kvfs": self.kvfs.mountpoint}
         self.metrics: dict[tuple[str, str], Metric] = {}
         self.notes: list[str] = []
@@ -909,6 +911,7 @@ def save(bench: Bench, found: list[Check], out: Path, started: float, finished: 
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
         "groups": bench.groups,
+        "mount_options": bench.mount_options,
         "environment": {
             "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "kvfs_git": git, "workdir": str(bench.workdir),
@@ -940,6 +943,8 @@ def parse_args() -> argparse.Namespace:
                         help="where the plain directory and the kvfs volume live")
     parser.add_argument("--cache-size", type=int, default=256, metavar="MIB",
                         help="kvfs --cache-size in MiB (default 256)")
+    parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
+                        help="more options for the kvfs mount, e.g. '--cpu-latency 0'")
     parser.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP",
                         help=f"run only this group (repeatable): {', '.join(GROUPS)}")
     return parser.parse_args()
@@ -953,7 +958,8 @@ def main() -> int:
     plan = Plan.make(args.quick, args.runs, args.cache_size * MIB)
     out = args.out or REPO / "bench-results" / (
         time.strftime("bench-%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ".json")
-    bench = Bench(plan, args.workdir.resolve(), [g for g in GROUPS if g in (args.only or GROUPS)])
+    bench = Bench(plan, args.workdir.resolve(), [g for g in GROUPS if g in (args.only or GROUPS)],
+                  shlex.split(args.mount_options))
     if bench.workdir.exists() and any(bench.workdir.iterdir()):
         CONSOLE.print(f"[red]work directory {bench.workdir} is not empty; remove it first[/]")
         return 1

@@ -1,7 +1,7 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
-                                              [--redis] [--io-uring]
+                                              [--redis] [--io-uring] [--cpu-latency US]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
@@ -10,7 +10,8 @@ destination. The files go into one directory per run, spread over 16 subdirector
 vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
---io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`). Needs
+--io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`); with
+--cpu-latency, another keeps the CPUs quick to wake while requests flow. Needs
 root (mounting). The mounts, Redis and the work directory (default bench-work/ in the
 repository) are removed at the end.
 """
@@ -78,8 +79,10 @@ def main() -> int:
     parser.add_argument("--io-uring", action="store_true",
                         help="also measure an LMDB mount with --io-uring on (the kernel's "
                              "fuse.enable_uring must be on)")
+    parser.add_argument("--cpu-latency", metavar="US",
+                        help="also measure an LMDB mount with --cpu-latency US")
     args = parser.parse_args()
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=132)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
     redis = LocalRedis(work / "redis") if args.redis else None
@@ -87,6 +90,9 @@ def main() -> int:
     if args.io_uring:
         mounts["kvfs-io_uring"] = KvfsMount(work / "uring-data", work / "uring-mnt",
                                             ["--io-uring", "on"])
+    if args.cpu_latency is not None:
+        mounts["kvfs-cpu-latency"] = KvfsMount(work / "latency-data", work / "latency-mnt",
+                                               ["--cpu-latency", args.cpu_latency])
     if redis is not None:
         mounts["kvfs-redis"] = KvfsMount(work / "redis-data", work / "redis-mnt",
                                          ["--meta", redis.url])
@@ -109,6 +115,7 @@ def main() -> int:
                     console.print(f"{threads:>2} threads, run {run + 1}, {target}: "
                                   f"{rate:,.0f} files/s")
                     shutil.rmtree(root)
+                    time.sleep(1)  # a --cpu-latency mount's hold goes before the next run
     finally:
         for mount in mounts.values():
             mount.unmount()

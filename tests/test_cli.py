@@ -219,6 +219,8 @@ def test_data_dir_on_readonly_volume_is_one_line(tmp_path: Path, readonly_dir: P
     ["--capacity", "lots"],
     ["--capacity", "-5G"],
     ["--capacity", ""],
+    ["--cpu-latency", "fast"],
+    ["--cpu-latency", "-1"],
 ])
 def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str]) -> None:
     mnt = tmp_path / "mnt"
