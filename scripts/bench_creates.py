@@ -11,7 +11,8 @@ vLLM's tree spreads them. Runs alternate which side goes first; the median of --
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
 --io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`); with
---cpu-latency, another keeps the CPUs quick to wake while requests flow. Needs
+--cpu-latency, each kvfs mount has a twin that keeps the CPUs quick to wake while requests
+flow (`--cpu-latency US`). Needs
 root (mounting). The mounts, Redis and the work directory (default bench-work/ in the
 repository) are removed at the end.
 """
@@ -80,22 +81,22 @@ def main() -> int:
                         help="also measure an LMDB mount with --io-uring on (the kernel's "
                              "fuse.enable_uring must be on)")
     parser.add_argument("--cpu-latency", metavar="US",
-                        help="also measure an LMDB mount with --cpu-latency US")
+                        help="also measure each kvfs mount with --cpu-latency US")
     args = parser.parse_args()
-    console = Console(highlight=False, width=132)
+    console = Console(highlight=False)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
     redis = LocalRedis(work / "redis") if args.redis else None
-    mounts = {"kvfs": KvfsMount(work / "data", work / "mnt", [])}
+    variants = {"kvfs": []}
     if args.io_uring:
-        mounts["kvfs-io_uring"] = KvfsMount(work / "uring-data", work / "uring-mnt",
-                                            ["--io-uring", "on"])
-    if args.cpu_latency is not None:
-        mounts["kvfs-cpu-latency"] = KvfsMount(work / "latency-data", work / "latency-mnt",
-                                               ["--cpu-latency", args.cpu_latency])
+        variants["kvfs-io_uring"] = ["--io-uring", "on"]
     if redis is not None:
-        mounts["kvfs-redis"] = KvfsMount(work / "redis-data", work / "redis-mnt",
-                                         ["--meta", redis.url])
+        variants["kvfs-redis"] = ["--meta", redis.url]
+    if args.cpu_latency is not None:
+        variants |= {f"{name}-cpu-latency": [*options, "--cpu-latency", args.cpu_latency]
+                     for name, options in variants.items()}
+    mounts = {name: KvfsMount(work / f"{name}-data", work / f"{name}-mnt", options)
+              for name, options in variants.items()}
     roots = {"plain": work / "plain"} | {name: mount.mountpoint
                                         for name, mount in mounts.items()}
     for root in roots.values():
@@ -124,15 +125,15 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = Table(title=f"store of {args.files:,} × 4 KiB files (exists, O_EXCL temp, write, "
                         f"close, rename); median of {args.runs}")
-    table.add_column("threads", justify="right")
-    for target in roots:
-        table.add_column(f"{target} files/s", justify="right")
-    for target in mounts:
-        table.add_column(f"{target}/plain", justify="right")
+    table.add_column("")
     for threads in args.threads:
-        median = {target: statistics.median(rates[(target, threads)]) for target in roots}
-        table.add_row(str(threads), *(f"{median[target]:,.0f}" for target in roots),
-                      *(f"{median[target] / median['plain']:.3f}" for target in mounts))
+        table.add_column(f"{threads} thread{'s' if threads > 1 else ''}: files/s", justify="right")
+        table.add_column("/plain", justify="right")
+    median = {key: statistics.median(values) for key, values in rates.items()}
+    for target in roots:
+        table.add_row(target, *(cell for threads in args.threads for cell in (
+            f"{median[(target, threads)]:,.0f}",
+            f"{median[(target, threads)] / median[('plain', threads)]:.3f}")))
     console.print(table)
     return 0
 
