@@ -33,6 +33,7 @@ import platform
 import queue
 import random
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -180,11 +181,12 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 class Bench:
-    def __init__(self, plan: Plan, workdir: Path) -> None:
+    def __init__(self, plan: Plan, workdir: Path, mount_options: list[str]) -> None:
         self.plan = plan
         self.workdir = workdir
+        self.mount_options = mount_options
         self.redis = LocalRedis(workdir / "redis")
-        self.lmdb = KvfsMount(workdir / "lmdb-data", workdir / "lmdb-mnt", [])
+        self.lmdb = KvfsMount(workdir / "lmdb-data", workdir / "lmdb-mnt", mount_options)
         self.host_a: KvfsMount | None = None  # made once Redis has its port
         self.host_b: KvfsMount | None = None
         self.writers: dict[str, Path] = {}
@@ -231,9 +233,9 @@ class Bench:
             path.mkdir(parents=True, exist_ok=True)
         self.redis.start()
         self.host_a = KvfsMount(self.workdir / "pool-data", self.workdir / "host-a",
-                                ["--meta", self.redis.url])
+                                ["--meta", self.redis.url, *self.mount_options])
         self.host_b = KvfsMount(self.workdir / "pool-data", self.workdir / "host-b",
-                                ["--meta", self.redis.url])
+                                ["--meta", self.redis.url, *self.mount_options])
         for mount in self.mounts:
             mount.mountpoint.mkdir(parents=True, exist_ok=True)
             mount.mount()
@@ -463,6 +465,7 @@ def save(bench: Bench, out: Path, started: float, finished: bool) -> None:
         "finished": finished,
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
+        "mount_options": bench.mount_options,
         "environment": {
             "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "kvfs_git": git, "workdir": str(bench.workdir),
@@ -494,6 +497,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work" / "shared",
                         help="where the plain directory, the volumes, the mounts and Redis's "
                              "files live; must be empty (default %(default)s)")
+    parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
+                        help="more options for every kvfs mount, e.g. '--cpu-latency 0'")
     return parser.parse_args()
 
 
@@ -509,7 +514,7 @@ def main() -> int:
     if workdir.exists() and any(workdir.iterdir()):
         CONSOLE.print(f"[red]work directory {workdir} is not empty; remove it first[/]")
         return 1
-    bench = Bench(plan, workdir)
+    bench = Bench(plan, workdir, shlex.split(args.mount_options))
     started, finished = run_cleaning_up(bench, CONSOLE)
     print_report(bench)
     for record in bench.log_problems[:20]:
