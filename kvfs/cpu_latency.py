@@ -36,7 +36,9 @@ class CpuLatency:
 
     async def run(self) -> None:
         """Hold the limit while the daemon answers requests; drop it when they stop."""
-        seen = -1
+        log.info("--cpu-latency: CPUs kept under %d µs of wake-up while requests flow",
+                 self.limit_us)
+        seen = self.stats.requests.answered
         last_request = held_since = 0.0
         while True:
             answered, now = self.stats.requests.answered, trio.current_time()
