@@ -8,6 +8,7 @@ the versions must agree with what the writers logged, and no byte may leak on th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -80,9 +81,17 @@ def visible_files(root: Path) -> dict[str, int]:
 
 
 def assert_no_leak(volume: KvfsMount) -> None:
-    """Data on the volume == usage kvfs reports == what the namespace shows."""
-    on_volume = sum(p.stat().st_size for p in blob_files(volume.data))
-    visible = sum(visible_files(volume.mountpoint).values())
+    """Data on the volume == usage kvfs reports == what the namespace shows, once the data
+    files of what was just dropped are deleted (the reaper does that in a worker thread)."""
+    def blob_and_visible_bytes() -> tuple[int, int]:
+        on_volume = 0
+        for path in blob_files(volume.data):
+            with contextlib.suppress(FileNotFoundError):  # deleted since it was listed
+                on_volume += path.stat().st_size
+        return on_volume, sum(visible_files(volume.mountpoint).values())
+
+    wait_for(lambda: len(set(blob_and_visible_bytes())) == 1)
+    on_volume, visible = blob_and_visible_bytes()
     assert on_volume == visible, f"{on_volume} bytes of blob files, {visible} bytes visible"
     assert statvfs_used(volume.mountpoint) == round_up(
         sum(allocated(p) for p in blob_files(volume.data)))
