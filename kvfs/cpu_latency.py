@@ -38,10 +38,10 @@ class CpuLatency:
         """Hold the limit while the daemon answers requests; drop it when they stop."""
         log.info("--cpu-latency: CPUs kept under %d µs of wake-up while requests flow",
                  self.limit_us)
-        seen = self.stats.requests.answered
+        seen = self.stats.requests.answered()
         last_request = held_since = 0.0
         while True:
-            answered, now = self.stats.requests.answered, trio.current_time()
+            answered, now = self.stats.requests.answered(), trio.current_time()
             if answered != seen:
                 seen, last_request = answered, now
                 if self._fd is None:

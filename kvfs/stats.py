@@ -17,7 +17,6 @@ class RequestTimes:
         self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
         self._seconds: dict[str, float] = {}
         self._recording = threading.Lock()  # the loop and io_uring queue threads record
-        self.answered = 0  # requests of every kind, so far
 
     def record(self, request: str, elapsed_ns: int) -> None:
         micros = elapsed_ns // 1000
@@ -28,8 +27,11 @@ class RequestTimes:
                 buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
                 self._seconds[request] = 0.0
             buckets[bucket] += 1
-            self.answered += 1
             self._seconds[request] += elapsed_ns / 1e9
+
+    def answered(self) -> int:
+        """Requests of every kind answered so far."""
+        return sum(sum(buckets) for buckets in list(self._buckets.values()))
 
     def histograms(self) -> dict[str, tuple[list[int], float]]:
         """request -> (counts per bucket of LATENCY_BOUNDS_US then overflow, total seconds);

@@ -116,7 +116,8 @@ def main() -> int:
                     console.print(f"{threads:>2} threads, run {run + 1}, {target}: "
                                   f"{rate:,.0f} files/s")
                     shutil.rmtree(root)
-                    time.sleep(1)  # a --cpu-latency mount's hold goes before the next run
+                    if args.cpu_latency is not None:
+                        time.sleep(1)  # a --cpu-latency mount's hold goes before the next run
     finally:
         for mount in mounts.values():
             mount.unmount()
