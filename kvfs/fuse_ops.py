@@ -49,17 +49,16 @@ class KernelCaching:
 
 
 # One host: everything that changes the namespace goes through this kernel, which updates its
-# own caches; the daemon's own changes (evicted or dropped files, commits) are pushed to it.
-# So misses can be cached long. Hits are cached briefly so that LMCache's lookups still reach
-# the daemon and keep the file's recency current for eviction.
-ONE_HOST_CACHING = KernelCaching(entry=1.0, negative=30.0)
+# own caches, and the daemon pushes its own changes (evicted or dropped files, commits). So
+# names, attributes and misses are cached for as long as they stay true, bounded only so that
+# a file's atime (its last use, recorded by the daemon at opens and reads) shows within a
+# minute. A lookup the kernel answers itself is no use recorded: opens and reads are.
+ONE_HOST_CACHING = KernelCaching(entry=60.0, negative=30.0)
 # A shared pool: other hosts change the namespace behind this kernel's back, and the engine
 # pushes each of their changes here (`KernelNotifier.others_changed_name`), within
-# milliseconds. So the kernel caches as on one host, misses a little less long: a push lost
-# in a dropped connection leaves a stale miss (a recompute) for at most that long.
-SHARED_CACHING = KernelCaching(entry=1.0, negative=5.0)
-# ... and while the pushes do not arrive (the engine's subscription is down): misses are not
-# cached and hits for 50 ms, so a chunk committed on one host is found on any other at once.
+# milliseconds. So the kernel caches for seconds: a push lost in a dropped connection leaves a
+# stale answer (a recompute, or an open that fails) for at most that long.
+SHARED_CACHING = KernelCaching(entry=5.0, negative=5.0)
 SHARED_UNWATCHED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
 CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
@@ -320,9 +319,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     def _entry(self, inode: Inode) -> EntryAttributes:
         """Attributes of a file being written are not cached: its size and times change at
-        the close that commits, and a stat right after that close must see them."""
-        return entry_attributes(inode, 0.0 if self.files.has_writer(inode.ino)
-                                else self.caching.entry)
+        the close that commits, and a stat right after that close must see them. Nor are
+        those of the control files (`.kvfs/stats` grows and shrinks as counters change)."""
+        uncached = self.files.has_writer(inode.ino) or self.control.owns(inode.ino)
+        return entry_attributes(inode, 0.0 if uncached else self.caching.entry)
 
     def _refuse_control(self, *places: tuple[int, bytes]) -> None:
         if any(self.control.is_reserved(parent, name) for parent, name in places):
@@ -519,8 +519,7 @@ class KvfsOperations(pyfuse3.Operations):
                 break
             self._readdir_fits = min(2 * wanted, READDIR_PAGE)
         for name, inode in self.control.entries(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode, timeout),
-                                         inode.ino):
+            if not pyfuse3.readdir_reply(token, name, self._entry(inode), inode.ino):
                 return
 
     async def releasedir(self, fh: int) -> None:

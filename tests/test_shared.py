@@ -38,7 +38,7 @@ from local_redis import LocalRedis
 
 MiB = 1 << 20
 # Other hosts' changes show within 100 ms (README, measured by scripts/bench_shared.py); the
-# tests allow a loaded machine more, and still less than the kernel keeps a name (1 s).
+# tests allow a loaded machine more, and still far less than the kernel keeps a name (5 s).
 SEEN_WITHIN = 0.5
 KVFS_CLI = Path(sys.executable).parent / "kvfs"
 
