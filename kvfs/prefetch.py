@@ -14,10 +14,13 @@ once`; under `--verify open` every O_DIRECT open checks, and nothing is prefetch
 No byte reaches a reader unverified: a blob whose data file changed after its prefetch is
 checked again at open by the usual rule.
 
-Only loads: listings (`ls -l`, `du`, `find`) never look names up (readdirplus carries the
-attributes), and a lookup starts a prefetch only as part of a burst, the same process's
-second lookup of a stored chunk within BURST_SECONDS: an engine looks up a prompt's chunks
-one after another, while `stat` of a file by an operator is one lookup. Chunks smaller than
+Only loads: a lookup starts a prefetch only as part of a burst, the same process's second
+lookup of a stored chunk within BURST_SECONDS: an engine looks up a prompt's chunks one after
+another, while `stat` of a file by an operator is one lookup. Listings (`ls -l`, `du`,
+`find`) mostly look nothing up (readdirplus carries the attributes), but where the kernel
+kept a directory's listing and dropped its entries (memory pressure: a full run's `ls -lR`
+over a million names prefetched 1 GiB of chunks), they look up every name in a burst: the
+lookups of LISTING_TOOLS never prefetch. Chunks smaller than
 MIN_BYTES are not worth it. The budget (`--prefetch`, 0 turns it off) caps the bytes queued
 and in flight; lookups beyond it are not prefetched. Prefetched bytes that no reader opened
 within WASTE_SECONDS count as wasted (`.kvfs/stats`).
@@ -62,6 +65,9 @@ QUIET_SECONDS = 0.005
 DEFER_SECONDS_MAX = 0.05  # ... but under lookups that never pause, one starts this often
 WASTE_SECONDS = 60.0
 PROCESSES_KEPT = 4096  # threads -> processes remembered (lookups come from a few engines)
+# Commands that stat what they list and never load it (by the calling thread's name).
+LISTING_TOOLS = frozenset({"ls", "du", "find", "stat", "tree", "ncdu", "gdu", "dust", "bfs",
+                           "fd", "eza", "exa", "lsd", "rsync", "tar", "updatedb", "getfattr"})
 DIRECT_WEIGHT = 0.25  # weight of each read open in the share of O_DIRECT readers
 
 
@@ -88,7 +94,8 @@ class Prefetcher:
         self._work = trio.Event()
         self._slots = trio.Semaphore(CHUNKS_IN_FLIGHT)
         self._last_lookup: dict[int, tuple[float, Wanted | None]] = {}  # process -> last hit
-        self._processes: OrderedDict[int, int] = OrderedDict()  # thread -> process
+        # thread -> process (None: a listing tool's)
+        self._processes: OrderedDict[int, int | None] = OrderedDict()
         self._unopened: OrderedDict[int, tuple[int, float]] = OrderedDict()  # blob -> bytes, when
         self._direct_readers = 0.0  # share of recent read opens that were O_DIRECT
         self._looked_up_at = 0.0  # the last lookup of a stored chunk (monotonic)
@@ -106,6 +113,8 @@ class Prefetcher:
         if not self.wants(inode):
             return
         process = self._process(caller)
+        if process is None:
+            return
         now = self._looked_up_at = time.monotonic()
         wanted = Wanted(inode.ino, inode.blob, inode.size)
         last = self._last_lookup.pop(process, None)
@@ -138,13 +147,15 @@ class Prefetcher:
         self._committed_bytes += wanted.size
         self._work.set()
 
-    def _process(self, caller: Caller) -> int:
-        """The caller's process (FUSE names the calling thread), read once per thread."""
-        process = self._processes.get(caller.pid)
-        if process is None:
-            process = self._processes[caller.pid] = caller.process()
-            if len(self._processes) > PROCESSES_KEPT:
-                self._processes.popitem(last=False)
+    def _process(self, caller: Caller) -> int | None:
+        """The caller's process (FUSE names the calling thread), None for a listing tool;
+        read once per thread."""
+        if caller.pid in self._processes:
+            return self._processes[caller.pid]
+        process = None if caller.command() in LISTING_TOOLS else caller.process()
+        self._processes[caller.pid] = process
+        if len(self._processes) > PROCESSES_KEPT:
+            self._processes.popitem(last=False)
         return process
 
     def _forget_old_lookups(self, now: float) -> None:

@@ -100,6 +100,32 @@ def test_a_single_stat_and_listings_read_nothing(cold: KvfsMount) -> None:
     assert sum(resident_bytes(blob) for blob in blob_files(cold.data)) == 0
 
 
+def test_listing_tools_read_nothing_where_the_kernel_kept_only_the_listing(
+        cold: KvfsMount) -> None:
+    """Under memory pressure the kernel may drop a directory's entries and keep its listing:
+    `ls -l` then looks every name up, a burst like an engine's (a full bench run's `ls -lR`
+    prefetched 1 GiB that way). Shell tools never prefetch; an engine's burst in the same
+    state still does."""
+    paths = store_prompt(cold, 4)
+    directory = os.open(paths[0].parent, os.O_RDONLY | os.O_DIRECTORY)  # keeps its listing
+    try:
+        listed = str(paths[0].parent)
+        subprocess.run(["ls", "-l", listed], check=True, capture_output=True)
+        for command in (["ls", "-l", listed], ["du", "-a", listed],
+                        ["find", listed, "-size", "+1M"]):
+            Path("/proc/sys/vm/drop_caches").write_text("2\n")  # entries go, the listing stays
+            looked_up = stats(cold.mountpoint)["lookup_hits"]
+            subprocess.run(command, check=True, capture_output=True)
+            shown = stats(cold.mountpoint)
+            assert shown["lookup_hits"] - looked_up == len(paths), (command, shown)
+            assert (shown["prefetch_bytes"], shown["verified_bytes"]) == (0, 0), shown
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        look_up(paths)  # an engine's lookups, in the same state
+        assert wait_for(lambda: prefetched(cold) == 4 * CHUNK), stats(cold.mountpoint)
+    finally:
+        os.close(directory)
+
+
 def test_prefetch_stays_within_its_budget(make_mount: Callable[..., KvfsMount]) -> None:
     volume = make_mount("--capacity", "2G", "--prefetch", "16M")
     paths = store_prompt(volume, 6)

@@ -126,6 +126,13 @@ class Caller:
     gid: int
     pid: int  # the calling thread
 
+    def command(self) -> str:
+        """The calling thread's command name (`ls`, `python3`), "" if it is gone."""
+        try:
+            return Path(f"/proc/{self.pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
     def process(self) -> int:
         """The caller's process (thread group): threads of one process share its opens."""
         try:
