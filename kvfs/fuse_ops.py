@@ -59,6 +59,8 @@ ONE_HOST_CACHING = KernelCaching(entry=60.0, negative=30.0)
 # milliseconds. So the kernel caches for seconds: a push lost in a dropped connection leaves a
 # stale answer (a recompute, or an open that fails) for at most that long.
 SHARED_CACHING = KernelCaching(entry=5.0, negative=5.0)
+# ... and while the pushes do not arrive (the engine's subscription is down): misses are not
+# cached and hits for 50 ms, so a chunk committed on one host is found on any other at once.
 SHARED_UNWATCHED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
 CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
