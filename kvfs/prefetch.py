@@ -152,7 +152,8 @@ class Prefetcher:
         read once per thread."""
         if caller.pid in self._processes:
             return self._processes[caller.pid]
-        process = None if caller.command() in LISTING_TOOLS else caller.process()
+        found, command = caller.process_and_command()
+        process = None if command in LISTING_TOOLS else found
         self._processes[caller.pid] = process
         if len(self._processes) > PROCESSES_KEPT:
             self._processes.popitem(last=False)

@@ -126,34 +126,30 @@ class Caller:
     gid: int
     pid: int  # the calling thread
 
-    def command(self) -> str:
-        """The calling thread's command name (`ls`, `python3`), "" if it is gone."""
+    def _status(self) -> dict[str, str]:
+        """The calling thread's /proc status fields (empty if it is gone)."""
         try:
-            return Path(f"/proc/{self.pid}/comm").read_text().strip()
+            lines = Path(f"/proc/{self.pid}/status").read_text().splitlines()
         except OSError:
-            return ""
+            return {}
+        return dict(line.split(":", 1) for line in lines if ":" in line)
+
+    def process_and_command(self) -> tuple[int, str]:
+        """The caller's process (thread group: threads of one process share its opens) and
+        the calling thread's command name (`ls`, `python3`; "" if the thread is gone)."""
+        status = self._status()
+        try:
+            process = int(status["Tgid"])
+        except (KeyError, ValueError):
+            process = self.pid
+        return process, status.get("Name", "").strip()
 
     def process(self) -> int:
-        """The caller's process (thread group): threads of one process share its opens."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-        except (OSError, ValueError):
-            pass
-        return self.pid
+        return self.process_and_command()[0]
 
     def in_group(self, gid: int) -> bool:
         """Asked only when a write may clear setgid: supplementary groups are in /proc."""
-        if gid == self.gid:
-            return True
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("Groups:"):
-                    return str(gid) in line.split()[1:]
-        except OSError:
-            pass
-        return False
+        return gid == self.gid or str(gid) in self._status().get("Groups", "").split()
 
 
 def privileges_to_clear(inode: Inode, caller: Caller, chown: bool = False) -> int:
