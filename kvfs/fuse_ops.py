@@ -292,6 +292,11 @@ class KvfsOperations(pyfuse3.Operations):
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
+        # kvfs keeps user.* attributes alone (`getxattr` below): the patched pyfuse3 answers
+        # ENODATA for every other name itself, without a task on the loop. The kernel asks
+        # for security.capability at each new file's first write (one of a store's requests)
+        # and `ls -l` for two names per entry.
+        self.user_xattrs_only = True
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
 

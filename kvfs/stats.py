@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
+import pyfuse3
+
 # Upper bounds of the request-latency buckets, microseconds: powers of two, 16 µs to 1 s.
 LATENCY_BOUNDS_US = tuple(1 << power for power in range(4, 21))
 
@@ -43,6 +45,13 @@ class RequestTimes:
         return {request: {"count": sum(buckets), "seconds": round(seconds, 6),
                           "p50_us": _quantile(buckets, 0.5), "p99_us": _quantile(buckets, 0.99)}
                 for request, (buckets, seconds) in sorted(self.histograms().items())}
+
+
+def foreign_xattrs_refused() -> int:
+    """GETXATTRs of names outside user.* that kvfs's pyfuse3 patch answered ENODATA before
+    they reached the loop (`requests` does not count them)."""
+    refusals = getattr(pyfuse3, "foreign_xattr_refusals", None)
+    return refusals() if refusals is not None else 0
 
 
 def _quantile(buckets: list[int], share: float) -> int | None:
@@ -93,5 +102,6 @@ class Stats:
     def as_dict(self) -> dict[str, object]:
         counters: dict[str, object] = {counter.name: getattr(self, counter.name)
                                        for counter in fields(self) if counter.name != "requests"}
+        counters["foreign_xattrs_refused"] = foreign_xattrs_refused()
         counters["requests"] = self.requests.as_dict()
         return counters

@@ -13,6 +13,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyfuse3
 import pytest
 from conftest import drop_caches, stats
 
@@ -163,6 +164,28 @@ def test_xattrs(kvfs) -> None:
     kvfs.remount()
     assert os.getxattr(path, "user.kvfs.pin") == b"1"
 
+
+
+def test_attributes_outside_user_are_absent_and_counted(kvfs) -> None:
+    """kvfs keeps user.* attributes alone; the kernel's own questions (security.capability
+    before a first write, ACLs and SELinux labels for `ls -l`) get ENODATA, from the patched
+    pyfuse3 without a task on the loop, and `.kvfs/stats` counts them there."""
+    path = kvfs.mountpoint / "f"
+    path.write_bytes(b"abc")
+    os.setxattr(path, "user.note", b"1")
+    before = stats(kvfs.mountpoint)
+    names = ("security.capability", "security.selinux", "system.posix_acl_access", "trusted.x")
+    for name in names:
+        assert errno_of(os.getxattr, path, name) == errno.ENODATA
+    assert os.getxattr(path, "user.note") == b"1"
+    after = stats(kvfs.mountpoint)
+    handled = (after["requests"]["getxattr"]["count"]
+               - before["requests"].get("getxattr", {"count": 0})["count"])
+    refused = after["foreign_xattrs_refused"] - before["foreign_xattrs_refused"]
+    if hasattr(pyfuse3, "foreign_xattr_refusals"):
+        assert (refused, handled) == (len(names), 1)
+    else:  # stock pyfuse3: the loop answers them all
+        assert (refused, handled) == (0, len(names) + 1)
 
 def test_attributes(kvfs) -> None:
     path = kvfs.mountpoint / "f"
