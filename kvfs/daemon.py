@@ -161,6 +161,14 @@ class Daemon:
 
     def mount(self) -> None:
         options = set(pyfuse3.default_options)
+        if not self.config.allow_other and os.geteuid() == 0:
+            # Root's processes alone reach this mount (without allow_other the kernel keeps
+            # every other user out), and root passes every permission check but execute,
+            # which the kernel makes without the option too. The kernel's checks would cost
+            # a GETATTR of the directory before each create or rename in it (they need its
+            # mode, which the previous change there marked stale): two of a store's requests.
+            # `KvfsOperations.access` answers access(2) and chdir.
+            options.discard("default_permissions")
         options |= {f"fsname=kvfs:{self.config.data}", "subtype=kvfs"}
         if self.operations.enable_io_uring:
             options.add("io_uring")  # used where the kernel offers it too

@@ -68,6 +68,7 @@ CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
 # where there is no handle; stock pyfuse3 needs OPENDIR for it.
 READDIR_WITHOUT_OPENDIR = getattr(pyfuse3, "READDIR_WITHOUT_OPENDIR", False)
 USER_XATTR = b"user."
+EXECUTE_BITS = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 # glibc sizes a directory stream's buffer by st_blksize (32 KiB to 1 MiB), and the kernel
 # allocates that much for each FUSE readdir. Measured here (listing 100,000 entries; `du` of
@@ -398,6 +399,22 @@ class KvfsOperations(pyfuse3.Operations):
         if self.meta_call.blocking or self.control.owns(inode) or self.files.is_open(inode):
             return None
         return self._entry(self.meta.get(inode, cached=True))
+
+    async def access(self, inode: int, mode: int, ctx: RequestContext) -> bool:
+        """access(2) and chdir, asked where the kernel leaves permissions to kvfs (a mount
+        root alone reaches, see `Daemon.mount`): root may do anything but execute a file
+        without an execute bit; another user (not let in there) gets its class's bits."""
+        attributes = await self._attributes(inode)
+        if ctx.uid == 0:
+            return not (mode & os.X_OK and not attributes.is_dir
+                        and not attributes.mode & EXECUTE_BITS)
+        if ctx.uid == attributes.uid:
+            granted = attributes.mode >> 6
+        elif caller(ctx).in_group(attributes.gid):
+            granted = attributes.mode >> 3
+        else:
+            granted = attributes.mode
+        return mode & granted & 0o7 == mode & 0o7
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
