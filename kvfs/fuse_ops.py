@@ -567,7 +567,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = await self.meta_call(self.meta.make, parent_inode, name,
                                      stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx))
+        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx), created=True)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:

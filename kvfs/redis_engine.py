@@ -717,6 +717,9 @@ class RedisEngine:
                     if message is None:
                         continue
                     if message["type"] == "subscribe":  # also redis-py's own resubscribe
+                        # Redis answers again: requests no longer fail at once (the cache
+                        # answers lookups from now on, so opens must reach Redis too).
+                        self._came_back()
                         self.cache.enable(True)
                         self._subscribed = True
                     elif message["type"] == "message":

@@ -104,6 +104,12 @@ class Session:
                 await off_loop(self.meta.hold, blob_id, self.id)
             self._add_hold(blob_id)
 
+    def hold_committing(self, blob_id: int) -> bytes | None:
+        """Hold a new blob this host is about to commit: no other host can know it yet, so in
+        a shared pool its commit records the hold (returns the session to record it for)."""
+        self._add_hold(blob_id)
+        return self.id if self.shared else None
+
     def _add_hold(self, blob_id: int) -> None:
         self._held[blob_id] += 1
         self.stats.blobs_held = len(self._held)

@@ -68,17 +68,20 @@ __all__ = ["Caller", "FileTable", "Handle", "Opened"]
 
 
 class FileTable(WritingOps):
-    async def open(self, inode: Inode, flags: int, caller: Caller) -> Opened:
+    async def open(self, inode: Inode, flags: int, caller: Caller, created: bool = False
+                   ) -> Opened:
+        """`created`: `inode` was just made by this request (a CREATE), empty."""
         self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
         try:
-            opened = await self._open_file(inode, flags, caller)
+            opened = await self._open_file(inode, flags, caller, created)
             return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
         finally:
             self._opening[inode.ino] -= 1
             if not self._opening[inode.ino]:
                 del self._opening[inode.ino]
 
-    async def _open_file(self, inode: Inode, flags: int, caller: Caller) -> Opened:
+    async def _open_file(self, inode: Inode, flags: int, caller: Caller, created: bool
+                         ) -> Opened:
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
@@ -91,9 +94,10 @@ class FileTable(WritingOps):
         if writable and others:
             await self._wait_for_kernel_users(inode.ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
-        # so it may have changed since the lookup.
+        # so it may have changed since the lookup (not a file this request made: it has no
+        # content, and its writer starts from none whatever another host writes meanwhile).
         sums = not self._sums_may_wait(writable, flags)
-        inode, blob = await self._content(inode.ino, sums)
+        inode, blob = (inode, None) if created else await self._content(inode.ino, sums)
         if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
             inode, blob = await self._content(inode.ino, sums)

@@ -167,17 +167,17 @@ class WritingOps(RetiringOps):
             return True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
-        # Marked and held before the commit: another writer's commit (on any host) may
+        # Marked and held by the commit itself: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
         self._publishing.add(staged.blob_id)
-        await self.session.hold(staged.blob_id)
+        holder = self.session.hold_committing(staged.blob_id)
         try:
             # Off the loop unless it is a small read, a link, a metadata change and a rename.
             inline = staged.finishes_at_once(handle.backing) and not self.meta.engine.shared
             later = staged.hashes_later(handle.backing)
             commit = self._finish_and_commit
-            blob, inode, old_blob = (commit(handle.ino, staged, later) if inline else
-                                     await off_loop(commit, handle.ino, staged, later))
+            blob, inode, old_blob = (commit(handle.ino, staged, later, holder) if inline else
+                                     await off_loop(commit, handle.ino, staged, later, holder))
         except BaseException as error:
             await self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
@@ -204,12 +204,12 @@ class WritingOps(RetiringOps):
         self.stats.bytes_committed += blob.size
         return True
 
-    def _finish_and_commit(self, ino: int, staged: StagedFile,
-                           hash_later: bool) -> tuple[BlobInfo, Inode, int]:
+    def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,
+                           holder: bytes | None) -> tuple[BlobInfo, Inode, int]:
         """Hash (unless the kernel wrote it and it is large: then in the background, after
-        the commit), commit and publish."""
+        the commit), commit (with `holder`'s hold) and publish."""
         blob = staged.finish(ino, hash_later)
-        inode, old_blob = self.meta.commit_content(ino, blob)
+        inode, old_blob = self.meta.commit_content(ino, blob, holder)
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()
         return blob, inode, old_blob

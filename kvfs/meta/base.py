@@ -138,5 +138,9 @@ class MetaBase:
         txn.delete("pending", u64(blob_id))
         txn.put("doomed", u64(blob_id), b"")
 
+    def _record_hold(self, txn: Txn, blob_id: int, session: bytes) -> None:
+        txn.put("held", u64(blob_id) + session, b"")
+        txn.put("holding", session + u64(blob_id), b"")
+
     def _holders(self, txn: Txn, blob_id: int) -> list[bytes]:
         return self._suffixes(txn, "held", u64(blob_id)) if blob_id else []

@@ -52,8 +52,11 @@ class ContentOps(MetaBase):
         end = self.engine.allocate(b"next_blob", count)
         return range(end - count, end)
 
-    def commit_content(self, ino: int, blob: BlobInfo | None) -> tuple[Inode, int]:
+    def commit_content(self, ino: int, blob: BlobInfo | None, holder: bytes | None = None
+                       ) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
+        `holder`: the session that holds the new blob open, recorded in the same change (the
+        committing host of a shared pool: one round trip, not two).
 
         Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
         now = time.time_ns()
@@ -64,6 +67,8 @@ class ContentOps(MetaBase):
             size = allocated = 0
             if blob is not None:
                 txn.put("blob", u64(blob.blob_id), blob.pack())
+                if holder is not None:
+                    self._record_hold(txn, blob.blob_id, holder)
                 if blob.pending:
                     txn.put("pending", u64(blob.blob_id), self.session)
                 txn.add("counters", b"used_bytes", blob.allocated)

@@ -30,10 +30,7 @@ class PoolOps(MetaBase):
         return self._change(change)
 
     def hold(self, blob_id: int, session: bytes) -> None:
-        def change(txn: Txn) -> None:
-            txn.put("held", u64(blob_id) + session, b"")
-            txn.put("holding", session + u64(blob_id), b"")
-        self._change(change)
+        self._change(lambda txn: self._record_hold(txn, blob_id, session))
 
     def release(self, blob_id: int, session: bytes) -> None:
         def change(txn: Txn) -> None:
