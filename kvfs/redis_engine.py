@@ -88,7 +88,9 @@ ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
-CHANGES_CHANNEL = PREFIX + b"changes"
+# Channel of a pool's announcements, per database: Redis delivers a PUBLISH to subscribers on
+# every database of the server, and pools in two databases of one server share inode numbers.
+CHANGES_CHANNEL = PREFIX + b"changes:%d"
 # Families kernels cache -> code in a message (capitals: the message carries the values;
 # hosts of one pool run one kvfs version).
 ANNOUNCED = {"dentry": b"D", "inode": b"I"}
@@ -502,7 +504,7 @@ class _Change:
         changed = [(family, key, value) for (family, key), value in self.writes.items()
                    if family in ANNOUNCED]
         if changed:
-            op(b"P", None, CHANGES_CHANNEL, announcement(self.engine.id, changed))
+            op(b"P", None, self.engine.channel, announcement(self.engine.id, changed))
         return keys, args
 
     def _run_script(self, with_writes: bool) -> bool:
@@ -557,6 +559,7 @@ class RedisEngine:
         self.id = os.urandom(ENGINE_ID_BYTES)
         self.cache = RecordCache()
         self._memory_only = threading.local()  # `from_memory` on this thread
+        self.channel = CHANGES_CHANNEL % self.client.get_connection_kwargs().get("db", 0)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -711,7 +714,7 @@ class RedisEngine:
         while not self._closing.is_set():
             pubsub = self.client.pubsub()
             try:
-                pubsub.subscribe(CHANGES_CHANNEL)
+                pubsub.subscribe(self.channel)
                 while not self._closing.is_set():
                     message = pubsub.get_message(timeout=WATCH_POLL_SECONDS)
                     if message is None:

@@ -433,3 +433,23 @@ def test_a_stalled_host_declared_dead_rejoins(shared_pool) -> None:
     (first.mountpoint / "after").write_bytes(b"written after rejoining")
     assert (second.mountpoint / "after").read_bytes() == b"written after rejoining"
     assert_pool_counters_exact(first)
+
+
+def test_pools_in_two_databases_of_one_server_hear_only_their_own(
+        redis_server, make_mount, tmp_path: Path) -> None:
+    """Redis delivers a PUBLISH to subscribers on every database of the server, and two pools
+    number their inodes alike: each announces on its own database's channel, so one pool's
+    changes never reach the other's caches."""
+    first_url, second_url = redis_server.url, redis_server.url.rsplit("/", 1)[0] + "/1"
+    one = make_mount("--capacity", "64M", "--meta", first_url, data=tmp_path / "pool-one")
+    two = make_mount("--capacity", "64M", "--meta", second_url, data=tmp_path / "pool-two")
+    (one.mountpoint / "d").mkdir()
+    (two.mountpoint / "d").mkdir()
+    assert os.stat(one.mountpoint / "d").st_ino == os.stat(two.mountpoint / "d").st_ino
+    (one.mountpoint / "d" / "f").write_bytes(b"pool one")
+    time.sleep(0.2)  # (an announcement would have arrived by now)
+    assert not (two.mountpoint / "d" / "f").exists()
+    (two.mountpoint / "d" / "g").write_bytes(b"pool two")
+    assert sorted(os.listdir(two.mountpoint / "d")) == ["g"]
+    assert (two.mountpoint / "d" / "g").read_bytes() == b"pool two"
+    assert sorted(os.listdir(one.mountpoint / "d")) == ["f"]
