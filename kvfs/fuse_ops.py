@@ -567,14 +567,13 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = await self.meta_call(self.meta.make, parent_inode, name,
                                      stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        opened = await self.files.open(inode, flags & ~os.O_TRUNC, caller(ctx), created=True)
+        opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=await self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(await self.meta_call(self.meta.get, inode), flags,
-                                                            caller(ctx))
+        opened = await self.files.open(inode, flags, caller(ctx))
         return opened.file_info()
 
     # pyfuse3 sends any buffer (it takes the reply with the buffer protocol); its stub says

@@ -68,36 +68,34 @@ __all__ = ["Caller", "FileTable", "Handle", "Opened"]
 
 
 class FileTable(WritingOps):
-    async def open(self, inode: Inode, flags: int, caller: Caller, created: bool = False
+    async def open(self, ino: int, flags: int, caller: Caller, made: Inode | None = None
                    ) -> Opened:
-        """`created`: `inode` was just made by this request (a CREATE), empty."""
-        self._opening[inode.ino] += 1  # seen by writers deciding whether they are alone
+        """Open inode `ino`; `made`: the inode this request just made (a CREATE), empty."""
+        self._opening[ino] += 1  # seen by writers deciding whether they are alone
         try:
-            opened = await self._open_file(inode, flags, caller, created)
+            opened = await self._open_file(ino, flags, caller, made)
             return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
         finally:
-            self._opening[inode.ino] -= 1
-            if not self._opening[inode.ino]:
-                del self._opening[inode.ino]
+            self._opening[ino] -= 1
+            if not self._opening[ino]:
+                del self._opening[ino]
 
-    async def _open_file(self, inode: Inode, flags: int, caller: Caller, created: bool
+    async def _open_file(self, ino: int, flags: int, caller: Caller, made: Inode | None
                          ) -> Opened:
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        sums = not self._sums_may_wait(writable, flags)
+        if made is not None:  # empty: its writer starts from nothing, whatever another
+            inode, blob = made, None  # host writes meanwhile
+        elif writable or flags & os.O_TRUNC:
+            inode, blob = await self._content_to_change(ino, flags, caller, sums)
+        else:  # a reader's one metadata read (commits run in worker threads: read at open)
+            inode, blob = await self._content(ino, sums)
         if inode.is_dir:
             raise fail(errno.EISDIR)
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
-            inode = await self.truncate_path(inode, 0, caller)
         # Another process's kernel users (page cache, passthrough) get a short while to close
         # first, so that two instances storing one chunk at once do not mix; after it, and at
         # once within one process, the open is served beside them, as on a local disk.
-        others = not self._opened_by_process(inode.ino, caller)
-        if writable and others:
-            await self._wait_for_kernel_users(inode.ino)
-        # Read again, with its blob record in one snapshot: commits run in worker threads,
-        # so it may have changed since the lookup (not a file this request made: it has no
-        # content, and its writer starts from none whatever another host writes meanwhile).
-        sums = not self._sums_may_wait(writable, flags)
-        inode, blob = (inode, None) if created else await self._content(inode.ino, sums)
+        others = not self._opened_by_process(ino, caller)
         if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
             await self._wait_for_kernel_users(inode.ino)
             inode, blob = await self._content(inode.ino, sums)
@@ -162,6 +160,22 @@ class FileTable(WritingOps):
         handle.page_cache = True
         self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
+
+    async def _content_to_change(self, ino: int, flags: int, caller: Caller, sums: bool
+                                 ) -> tuple[Inode, BlobInfo | None]:
+        """The content a writer (or a truncating open) starts from: read once other
+        processes' kernel users had their while to close (`open`)."""
+        inode = await self.meta_call(self.meta.get, ino)
+        if inode.is_dir:
+            raise fail(errno.EISDIR)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
+            await self.truncate_path(inode, 0, caller)
+        if writable and not self._opened_by_process(ino, caller):
+            await self._wait_for_kernel_users(ino)
+        # Read again, with its blob record in one snapshot: commits run in worker threads,
+        # so it may have changed since.
+        return await self._content(ino, sums)
 
     async def _content(self, ino: int, sums: bool = True) -> tuple[Inode, BlobInfo | None]:
         """The inode and its blob record; with block sums if `sums`: those of a blob the
@@ -375,7 +389,8 @@ class FileTable(WritingOps):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         try:
-            await self.flush(handle)
+            if handle.writable:  # (a reader has nothing to commit)
+                await self.flush(handle)
         finally:
             await self._close_handle(handle)
 
@@ -429,7 +444,7 @@ class FileTable(WritingOps):
         """truncate(2) without a handle: a write handle opened, resized and closed at once.
         A size that cannot be had changes nothing (no new version, no eviction)."""
         check_file_size(size)
-        opened = await self.open(inode, os.O_WRONLY, caller)
+        opened = await self.open(inode.ino, os.O_WRONLY, caller)
         handle = self._handles[opened.fh]
         try:
             await self.truncate(handle, size)
