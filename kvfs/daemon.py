@@ -215,6 +215,7 @@ class Daemon:
             nursery.start_soon(self.files.prefetcher.run)
             nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)
+            nursery.start_soon(self.session.send_releases)
             if self.cpu_latency is not None:
                 nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10.0
 SWEEP_SECONDS = 1.0
+# A shared pool's releases of holds wait this long, to go to the engine together in one change
+# (a hold taken again meanwhile keeps its record: no round trip either way).
+RELEASE_GATHER_SECONDS = 0.05
+RELEASE_RETRY_SECONDS = 1.0  # after a failed one (the engine unreachable)
 
 
 def new_session_id(meta: MetaStore) -> bytes:
@@ -79,6 +83,11 @@ class Session:
         self.staged_elsewhere = 0  # bytes other hosts' writers have staged (last heard)
         self._held: Counter[int] = Counter()
         self._recording_locks: dict[int, trio.Lock] = {}
+        self._releasing: set[int] = set()  # last local hold gone; its record not yet
+        self._releasing_now: set[int] = set()  # ... on its way to the engine
+        self._release_failed: set[int] = set()  # ... sent, maybe recorded: to send again
+        self._release_wanted = trio.Event()
+        self._releases_sent = trio.Event()
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
         self._beat_ok = time.monotonic()
         self._sweep_wanted = trio.Event()
@@ -92,17 +101,25 @@ class Session:
 
     # -- holds ---------------------------------------------------------------------------
 
-    async def hold(self, blob_id: int) -> None:
+    async def hold(self, blob_id: int) -> bool:
         """This host has `blob_id` open (before it opens the data file). In a shared pool
-        the first hold and the last release of a blob are recorded in the engine, one at a
-        time per blob, so that they reach it in the order they were made."""
+        the first hold of a blob is recorded in the engine, one at a time per blob, and after
+        any release of it on its way there (`send_releases`). Returns whether this host's
+        hold was recorded all along (no host can have deleted the blob's data since)."""
         if not self.shared:
             self._add_hold(blob_id)
-            return
+            return True
         async with self._recording(blob_id):
-            if not self._held[blob_id]:
+            while blob_id in self._releasing_now:  # (it must not land after this hold)
+                await self._releases_sent.wait()
+            standing = self._held[blob_id] > 0 or blob_id in self._releasing
+            if standing:
+                self._releasing.discard(blob_id)
+            else:
+                self._release_failed.discard(blob_id)
                 await off_loop(self.meta.hold, blob_id, self.id)
             self._add_hold(blob_id)
+            return standing
 
     def hold_committing(self, blob_id: int) -> bytes | None:
         """Hold a new blob this host is about to commit: no other host can know it yet, so in
@@ -115,12 +132,9 @@ class Session:
         self.stats.blobs_held = len(self._held)
 
     async def release(self, blob_id: int) -> None:
-        if not self.shared:
-            self._drop_hold(blob_id)
-            return
-        async with self._recording(blob_id):
-            if self._drop_hold(blob_id):
-                await off_loop(self.meta.release, blob_id, self.id)
+        if self._drop_hold(blob_id) and self.shared:
+            self._releasing.add(blob_id)  # recorded by `send_releases`, with others
+            self._release_wanted.set()
 
     def _drop_hold(self, blob_id: int) -> bool:
         """One hold less; returns whether it was the last."""
@@ -141,6 +155,34 @@ class Session:
             if not lock.locked() and not lock.statistics().tasks_waiting:
                 self._recording_locks.pop(blob_id, None)
 
+    async def send_releases(self) -> None:
+        """Background (shared only): record the releases of holds, gathered for
+        RELEASE_GATHER_SECONDS into one change; a failed change is tried again."""
+        if not self.shared:
+            return
+        while True:
+            await self._release_wanted.wait()
+            await trio.sleep(RELEASE_GATHER_SECONDS)
+            self._release_wanted = trio.Event()
+            self._releasing_now = self._releasing | self._release_failed
+            self._releasing, self._release_failed = set(), set()
+            failed = False
+            try:
+                await off_loop(self.meta.release_many, sorted(self._releasing_now), self.id)
+            except Exception as error:
+                failed = True
+                self.stats.background_errors += 1
+                log.warning("recording %d released holds failed (%s); trying again",
+                            len(self._releasing_now), error)
+                self._release_failed |= self._releasing_now  # (a hold records itself anew)
+                self._release_wanted.set()
+            finally:
+                self._releasing_now = set()
+                self._releases_sent.set()
+                self._releases_sent = trio.Event()
+            if failed:
+                await trio.sleep(RELEASE_RETRY_SECONDS)
+
     # -- upkeep --------------------------------------------------------------------------
 
     async def run(self, staged: Callable[[], int], want_sums: Callable[[int], None]) -> None:
@@ -152,6 +194,8 @@ class Session:
                 round_ = await off_loop(self._upkeep, staged(), list(self._held))
                 self.staged_elsewhere = round_.staged_elsewhere
                 self.stats.sessions_lost += round_.lost
+                if round_.lost:  # the reaper dropped this session's holds: none to release
+                    self._releasing.clear()
                 self.stats.sessions_reaped += round_.reaped
                 for blob_id in round_.want_sums:
                     want_sums(blob_id)

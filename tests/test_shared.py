@@ -353,6 +353,9 @@ def test_a_blob_open_on_one_host_outlives_its_replacement_on_another(shared_pool
     first, second = shared_pool(2, "--capacity", "1G")
     old = os.urandom(4 * MiB)
     (first.mountpoint / "chunk").write_bytes(old)
+    # Read and closed just before: host 2's release is still gathering with others (50 ms)
+    # when the open below holds the blob again, and keeps its record instead.
+    assert (second.mountpoint / "chunk").read_bytes() == old
     with open(second.mountpoint / "chunk", "rb") as reader:
         (first.mountpoint / "chunk").write_bytes(b"new")  # the old blob is doomed
         time.sleep(2.5)  # sweeps run every second on both hosts

@@ -218,13 +218,12 @@ class FileTable(WritingOps):
 
     async def _hold(self, inode: Inode, blob: BlobInfo | None, sums: bool
                     ) -> tuple[Inode, BlobInfo | None]:
-        """Hold the blob about to be opened (released with the handle). In a shared pool the
-        hold is recorded first and the inode read again (`sums`: as `_content`): a blob that
-        another host replaced in between may already be on its way out, so the new one is
-        held instead."""
+        """Hold the blob about to be opened (released with the handle). In a shared pool a
+        new hold is recorded first and the inode read again (`sums`: as `_content`): a blob
+        that another host replaced in between may already be on its way out, so the new one
+        is held instead. (A hold that stood all along kept the blob: what was read stands.)"""
         while blob is not None:
-            await self.session.hold(blob.blob_id)
-            if not self.session.shared:
+            if await self.session.hold(blob.blob_id):
                 break
             try:
                 again, again_blob = await self._content(inode.ino, sums)

@@ -33,9 +33,13 @@ class PoolOps(MetaBase):
         self._change(lambda txn: self._record_hold(txn, blob_id, session))
 
     def release(self, blob_id: int, session: bytes) -> None:
+        self.release_many([blob_id], session)
+
+    def release_many(self, blob_ids: list[int], session: bytes) -> None:
         def change(txn: Txn) -> None:
-            txn.discard("held", u64(blob_id) + session)
-            txn.discard("holding", session + u64(blob_id))
+            for blob_id in blob_ids:
+                txn.discard("held", u64(blob_id) + session)
+                txn.discard("holding", session + u64(blob_id))
         self._change(change)
 
     def holders(self, blob_id: int) -> list[bytes]:
