@@ -23,6 +23,7 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -32,14 +33,15 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from kvfs.data import DataStore
-from kvfs.meta import MetaStore, u64
+from kvfs.meta import Inode, MetaStore, u64
 from kvfs.offloop import off_loop
 from kvfs.reaper import clean_up_after, reap_doomed
+from kvfs.records import BlobInfo
 from kvfs.stats import Stats
 from kvfs.volume import Volume, boot_id
 
@@ -51,6 +53,14 @@ SWEEP_SECONDS = 1.0
 # (a hold taken again meanwhile keeps its record: no round trip either way).
 RELEASE_GATHER_SECONDS = 0.05
 RELEASE_RETRY_SECONDS = 1.0  # after a failed one (the engine unreachable)
+
+
+class _Stood(enum.Enum):
+    STOOD = "stood"  # a hold this host had recorded all along
+
+
+STOOD = _Stood.STOOD
+T = TypeVar("T")
 
 
 def new_session_id(meta: MetaStore) -> bytes:
@@ -106,20 +116,31 @@ class Session:
         the first hold of a blob is recorded in the engine, one at a time per blob, and after
         any release of it on its way there (`send_releases`). Returns whether this host's
         hold was recorded all along (no host can have deleted the blob's data since)."""
+        return await self._hold(blob_id, self.meta.hold, blob_id, self.id) is STOOD
+
+    async def hold_and_read(self, blob_id: int, ino: int
+                            ) -> tuple[Inode, BlobInfo | None] | None:
+        """`hold`, reading inode `ino` and its blob in the change that records the hold;
+        None where the hold stood all along (nothing recorded, nothing read)."""
+        read = await self._hold(blob_id, self.meta.content_holding, ino, blob_id, self.id)
+        return None if read is STOOD else read
+
+    async def _hold(self, blob_id: int, record: Callable[..., T], *args: object
+                    ) -> T | _Stood:
         if not self.shared:
             self._add_hold(blob_id)
-            return True
+            return STOOD
         async with self._recording(blob_id):
             while blob_id in self._releasing_now:  # (it must not land after this hold)
                 await self._releases_sent.wait()
-            standing = self._held[blob_id] > 0 or blob_id in self._releasing
-            if standing:
+            if self._held[blob_id] or blob_id in self._releasing:
                 self._releasing.discard(blob_id)
+                recorded: T | _Stood = STOOD
             else:
                 self._release_failed.discard(blob_id)
-                await off_loop(self.meta.hold, blob_id, self.id)
+                recorded = await off_loop(record, *args)
             self._add_hold(blob_id)
-            return standing
+            return recorded
 
     def hold_committing(self, blob_id: int) -> bytes | None:
         """Hold a new blob this host is about to commit: no other host can know it yet, so in

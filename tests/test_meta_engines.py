@@ -774,6 +774,30 @@ def test_drop_files_holds_and_doomed_blobs(meta: MetaStore) -> None:
     meta.release(y_blob.blob_id, session)
 
 
+def test_holds_recorded_by_commits_and_opens_read_in_the_same_change(meta: MetaStore
+                                                                      ) -> None:
+    """A writer's commit records its hold of the new blob; an open's hold reads the inode
+    and its blob in the change that records it (nothing recorded where the file is gone);
+    releases of several blobs go in one change."""
+    f, g = mkfile(meta, b"f"), mkfile(meta, b"g")
+    session = session_id(meta)
+    f_blob, g_blob = new_blob(meta, f.ino, 100), new_blob(meta, g.ino, 200)
+    committed, _ = meta.commit_content(f.ino, f_blob, session)
+    meta.commit_content(g.ino, g_blob)
+    assert meta.holders(f_blob.blob_id) == [session] and meta.holders(g_blob.blob_id) == []
+
+    inode, blob = meta.content_holding(g.ino, g_blob.blob_id, session)
+    assert (inode, blob) == meta.content(g.ino) and blob is not None
+    assert blob.blob_id == g_blob.blob_id and meta.holders(g_blob.blob_id) == [session]
+    meta.release_many([f_blob.blob_id, g_blob.blob_id], session)
+    assert meta.holders(f_blob.blob_id) == meta.holders(g_blob.blob_id) == []
+
+    meta.remove(ROOT_INO, b"g", is_dir=False)
+    refused(errno.ENOENT, meta.content_holding, g.ino, g_blob.blob_id, session)
+    assert meta.holders(g_blob.blob_id) == []
+    assert committed.blob == f_blob.blob_id
+
+
 def test_reopen_keeps_everything(backend: Backend) -> None:
     meta = backend.open()
     d = mkdir(meta, b"d")

@@ -223,10 +223,13 @@ class FileTable(WritingOps):
         that another host replaced in between may already be on its way out, so the new one
         is held instead. (A hold that stood all along kept the blob: what was read stands.)"""
         while blob is not None:
-            if await self.session.hold(blob.blob_id):
+            read = await self.session.hold_and_read(blob.blob_id, inode.ino)
+            if read is None:
                 break
             try:
-                again, again_blob = await self._content(inode.ino, sums)
+                again, again_blob = read
+                if sums and again_blob is not None and again_blob.pending:
+                    again, again_blob = await self._content(inode.ino, sums)
             except BaseException:
                 await self.session.release(blob.blob_id)  # removed meanwhile, by another host
                 raise

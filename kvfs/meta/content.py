@@ -33,6 +33,19 @@ class ContentOps(MetaBase):
                 raise fail(errno.EIO)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
+    def content_holding(self, ino: int, blob_id: int, session: bytes
+                        ) -> tuple[Inode, BlobInfo | None]:
+        """`content`, read in the change that records `session`'s hold of `blob_id` (a
+        shared pool's open: a hold, then a read again, in one round trip less)."""
+        def change(txn: Txn) -> tuple[Inode, BlobInfo | None]:
+            self._record_hold(txn, blob_id, session)
+            inode = self._get(txn, ino)
+            raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
+            if inode.blob and raw is None:
+                raise fail(errno.EIO)
+            return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
+        return self._change(change)
+
     def blobs(self) -> Iterator[BlobInfo]:
         with self.engine.snapshot() as txn:
             for key, raw in txn.scan("blob"):
