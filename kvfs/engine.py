@@ -48,6 +48,10 @@ RETRY_SECONDS = 1.0  # a group LMDB refused (a full map) is tried again after th
 COMMIT_GATHER_SECONDS = 0.005
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
+# Map pages a byte of a pending change may take once in LMDB (B-tree and copy-on-write
+# overhead): changes answered but not yet applied count towards a full map, so that fast
+# creates cannot answer more than the map will take (a layer that does not fit never lands).
+PENDING_PAGE_FACTOR = 4
 _COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
 
 
@@ -167,8 +171,10 @@ class _Layer:
 
     families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
     last_seq: int = 0
+    size: int = 0  # bytes of the changes' encodings (what they may take in the map)
 
-    def add(self, seq: int, writes: Writes) -> None:
+    def add(self, seq: int, writes: Writes, size: int = 0) -> None:
+        self.size += size
         for family, keys in writes.items():
             versions = self.families.setdefault(family, {})
             for key, (value, delta) in keys.items():
@@ -466,8 +472,9 @@ class LmdbEngine:
                 lmdb_txn.abort()
             if writes:
                 seq = self._seq + 1
-                self._log.append(seq, encode(writes))
-                self._active.add(seq, writes)
+                payload = encode(writes)
+                self._log.append(seq, payload)
+                self._active.add(seq, writes, len(payload))
                 self._seq = seq
                 if self._committer_idle:
                     self._moved.notify_all()
@@ -489,13 +496,16 @@ class LmdbEngine:
         """LMDB copies on write: near a full map even a removal needs fresh pages."""
         info, page = self.env.info(), self.env.stat()["psize"]
         limit = info["map_size"] - max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
-        if (info["last_pgno"] + 1) * page <= limit:
+        with self._lock:
+            pending = sum(layer.size for layer in (self._committing, self._active)
+                          if layer is not None) * PENDING_PAGE_FACTOR
+        if (info["last_pgno"] + 1) * page + pending <= limit:
             return True
         with self.env.begin() as txn:
             dbs = [None, *self._dbs.values()]
             used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
                        for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
-        return used * page <= limit
+        return used * page + pending <= limit
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until LMDB holds every change answered so far (durable: synced)."""
