@@ -49,8 +49,8 @@ COMMIT_GATHER_SECONDS = 0.005
 MAP_HEADROOM = 0.1  # share of the map (at least MAP_HEADROOM_MIN) kept for removals
 MAP_HEADROOM_MIN = 1 << 20
 # Map pages a byte of a pending change may take once in LMDB (B-tree and copy-on-write
-# overhead): changes answered but not yet applied count towards a full map, so that fast
-# creates cannot answer more than the map will take (a layer that does not fit never lands).
+# overhead): changes answered but not yet applied may bring no more than the headroom, so that
+# fast creates cannot answer more than the map will take (a layer that does not fit never lands).
 PENDING_PAGE_FACTOR = 4
 _COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
 
@@ -495,17 +495,20 @@ class LmdbEngine:
     def has_room(self) -> bool:
         """LMDB copies on write: near a full map even a removal needs fresh pages."""
         info, page = self.env.info(), self.env.stat()["psize"]
-        limit = info["map_size"] - max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
+        headroom = max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
+        limit = info["map_size"] - headroom
         with self._lock:
             pending = sum(layer.size for layer in (self._committing, self._active)
                           if layer is not None) * PENDING_PAGE_FACTOR
-        if (info["last_pgno"] + 1) * page + pending <= limit:
+        if pending > headroom:  # more than a layer may bring into a map at its limit
+            return False
+        if (info["last_pgno"] + 1) * page <= limit:
             return True
         with self.env.begin() as txn:
             dbs = [None, *self._dbs.values()]
             used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
                        for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
-        return used * page + pending <= limit
+        return used * page <= limit
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until LMDB holds every change answered so far (durable: synced)."""
