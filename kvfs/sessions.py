@@ -111,17 +111,17 @@ class Session:
 
     # -- holds ---------------------------------------------------------------------------
 
-    async def hold(self, blob_id: int) -> bool:
+    async def hold(self, blob_id: int) -> None:
         """This host has `blob_id` open (before it opens the data file). In a shared pool
         the first hold of a blob is recorded in the engine, one at a time per blob, and after
-        any release of it on its way there (`send_releases`). Returns whether this host's
-        hold was recorded all along (no host can have deleted the blob's data since)."""
-        return await self._hold(blob_id, self.meta.hold, blob_id, self.id) is STOOD
+        any release of it on its way there (`send_releases`)."""
+        await self._hold(blob_id, self.meta.hold, blob_id, self.id)
 
     async def hold_and_read(self, blob_id: int, ino: int
                             ) -> tuple[Inode, BlobInfo | None] | None:
         """`hold`, reading inode `ino` and its blob in the change that records the hold;
-        None where the hold stood all along (nothing recorded, nothing read)."""
+        None where this host's hold stood all along (no host can have deleted the blob's
+        data since: nothing recorded, nothing read)."""
         read = await self._hold(blob_id, self.meta.content_holding, ino, blob_id, self.id)
         return None if read is STOOD else read
 
