@@ -227,8 +227,11 @@ def fio_bandwidth(directory: Path, filename: str, rw: str, size: int) -> float:
         ["fio", "--name=seq", f"--directory={directory}", f"--filename={filename}",
          f"--rw={rw}", "--bs=1M", f"--size={size}", "--direct=0", "--numjobs=1",
          "--ioengine=psync", "--fallocate=none", "--output-format=json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
+    if result.returncode:
+        raise RuntimeError(f"fio --rw={rw} of {directory / filename} failed "
+                           f"({result.returncode}): {(result.stderr or result.stdout).strip()}")
     report = json.loads(result.stdout[result.stdout.index("{"):])
     return float(report["jobs"][0]["read" if rw == "read" else "write"]["bw_bytes"])
 
