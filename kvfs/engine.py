@@ -87,6 +87,11 @@ class Txn(Protocol):
 
     def clear(self, family: str) -> None: ...
 
+    def known_empty(self, family: str, prefix: bytes) -> None:
+        """No key of `family` starts with the 8-byte `prefix` yet (a new directory's
+        entries): a shared engine's cache then answers misses there from memory."""
+        ...
+
     def count(self, family: str, key: bytes) -> int:
         """A counter's value (0 if never added to); not read inside a change, so that hot
         counters never make changes conflict."""
@@ -306,6 +311,9 @@ class _LayeredTxn:
 
     def discard(self, family: str, key: bytes) -> None:
         self._write(family, key)[:] = [None, 0]
+
+    def known_empty(self, family: str, prefix: bytes) -> None:
+        pass  # LMDB answers misses without a round trip
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """LMDB's keys merged with the pending ones, in key order."""

@@ -95,6 +95,7 @@ CHANGES_CHANNEL = PREFIX + b"changes:%d"
 # hosts of one pool run one kvfs version).
 ANNOUNCED = {"dentry": b"D", "inode": b"I"}
 _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
+_DENTRY_PREFIX_LENGTH = len(PREFIX + b"dentry:") + 8
 _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
@@ -184,6 +185,12 @@ def _counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
 
 
+def _complete_prefix(record: bytes) -> bytes:
+    """The prefix a record of a directory's entries shares with its siblings (`known_empty`):
+    the family's and the parent's 8 bytes."""
+    return record[:_DENTRY_PREFIX_LENGTH]
+
+
 def announcement(engine_id: bytes, changed: list[tuple[str, bytes, bytes | None]]) -> bytes:
     """The message that tells other hosts which records a change wrote, and what (None:
     removed): per record its family's code, the key and the value, each with its length."""
@@ -234,11 +241,17 @@ class RecordCache:
     Announcements come in commit order and carry the values written: one sets the record
     when it is absent or was set by an earlier announcement, and drops it otherwise (what
     this host read or wrote itself cannot be ordered against it). Thread-safe: the daemon's
-    worker threads and the watcher share one."""
+    worker threads and the watcher share one.
+
+    A directory this host made starts out complete (`known_empty`): every entry it gains is
+    written here or announced, so a name missing from the cache is missing from the
+    directory, and lookups of new names there (a store's) need no round trip. It stays
+    complete until one of its entries leaves the cache (evicted, or dropped as uncertain)."""
 
     def __init__(self) -> None:
         self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
         self._pushed: set[bytes] = set()  # records whose value came with an announcement
+        self._complete: set[bytes] = set()  # record prefixes whose every record is here
         self._stamps = [0] * STAMP_BUCKETS
         self._lock = threading.Lock()
         self._on = False
@@ -249,7 +262,10 @@ class RecordCache:
         return family in ANNOUNCED
 
     def get(self, record: bytes) -> Cached:
-        return self._records.get(record, _Cached.MISS)
+        found = self._records.get(record, _Cached.MISS)
+        if found is _Cached.MISS and _complete_prefix(record) in self._complete:
+            return None  # (`_pop` leaves the complete set before the record goes)
+        return found
 
     def stamps(self, records: Iterable[bytes]) -> list[int]:
         """To be taken before the records are read (`keep`) or written (`wrote`)."""
@@ -274,10 +290,14 @@ class RecordCache:
             if self.changes == changes:
                 self._set(record, value)
 
-    def wrote(self, written: list[tuple[bytes, bytes | None]], stamps: list[int]) -> None:
+    def wrote(self, written: list[tuple[bytes, bytes | None]], stamps: list[int],
+              emptied: list[bytes]) -> None:
         """A change of this host's committed these (record, value): reads on their way are
-        stale; the values are kept unless another change of the same bucket came meanwhile."""
+        stale; the values are kept unless another change of the same bucket came meanwhile.
+        `emptied`: record prefixes it made that no record had (a new directory's)."""
         with self._lock:
+            if self._on:
+                self._complete.update(emptied)
             for (record, value), stamp in zip(written, stamps, strict=True):
                 bucket = hash(record) % STAMP_BUCKETS
                 if self._on and self._stamps[bucket] == stamp:
@@ -311,6 +331,7 @@ class RecordCache:
         """On once announcements reach this host, off when they may not: either way what
         is kept goes (announcements were missed meanwhile)."""
         with self._lock:
+            self._complete.clear()
             self._records.clear()
             self._pushed.clear()
             self._stamps = [stamp + 1 for stamp in self._stamps]
@@ -322,9 +343,15 @@ class RecordCache:
         self._pushed.discard(record)
         self._records[record] = value
         while len(self._records) > CACHED_RECORDS:
-            self._pop(next(iter(self._records)))
+            oldest = next(iter(self._records))
+            if self._records[oldest] is None:  # (still absent: its directory stays complete)
+                del self._records[oldest]
+                self._pushed.discard(oldest)
+            else:
+                self._pop(oldest)
 
     def _pop(self, record: bytes) -> None:
+        self._complete.discard(_complete_prefix(record))
         self._records.pop(record, None)
         self._pushed.discard(record)
 
@@ -371,7 +398,7 @@ class _Reader:
     def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
-    delete = pop = clear = add = discard = put
+    delete = pop = clear = add = discard = known_empty = put
 
 
 class _Change:
@@ -387,6 +414,7 @@ class _Change:
         self.cleared: set[str] = set()
         self.watched: set[bytes] = set()
         self.read: dict[bytes, bytes | None] = {}  # records read so far -> what they held
+        self.emptied: list[bytes] = []  # key prefixes (records) with no record yet
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if (family, key) in self.writes:
@@ -435,6 +463,10 @@ class _Change:
 
     def discard(self, family: str, key: bytes) -> None:
         self.writes[family, bytes(key)] = None
+
+    def known_empty(self, family: str, prefix: bytes) -> None:
+        if self.engine.cache.cacheable(family):
+            self.emptied.append(_record_key(family, prefix))
 
     def count(self, family: str, key: bytes) -> int:
         raise TypeError("counters are added to, not read, inside a change")
@@ -533,7 +565,7 @@ class _Change:
             raise
         if not applied:
             raise redis.WatchError("a record this change read has changed")
-        cache.wrote(written, stamps)
+        cache.wrote(written, stamps, self.emptied)
 
     def still_valid(self) -> bool:
         return self._run_script(with_writes=False)

@@ -23,17 +23,16 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -53,14 +52,9 @@ SWEEP_SECONDS = 1.0
 # (a hold taken again meanwhile keeps its record: no round trip either way).
 RELEASE_GATHER_SECONDS = 0.05
 RELEASE_RETRY_SECONDS = 1.0  # after a failed one (the engine unreachable)
-
-
-class _Stood(enum.Enum):
-    STOOD = "stood"  # a hold this host had recorded all along
-
-
-STOOD = _Stood.STOOD
-T = TypeVar("T")
+# Batches whose blobs are remembered: an open whose change overlapped older ones records its
+# hold again (`Session.read_holding`).
+RECENT_BATCHES = 64
 
 
 def new_session_id(meta: MetaStore) -> bytes:
@@ -96,6 +90,8 @@ class Session:
         self._releasing: set[int] = set()  # last local hold gone; its record not yet
         self._releasing_now: set[int] = set()  # ... on its way to the engine
         self._release_failed: set[int] = set()  # ... sent, maybe recorded: to send again
+        self._batches_begun = 0  # batches of releases sent so far; the last ones' blobs:
+        self._recent_batches: deque[tuple[int, frozenset[int]]] = deque(maxlen=RECENT_BATCHES)
         self._release_wanted = trio.Event()
         self._releases_sent = trio.Event()
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
@@ -115,32 +111,58 @@ class Session:
         """This host has `blob_id` open (before it opens the data file). In a shared pool
         the first hold of a blob is recorded in the engine, one at a time per blob, and after
         any release of it on its way there (`send_releases`)."""
-        await self._hold(blob_id, self.meta.hold, blob_id, self.id)
-
-    async def hold_and_read(self, blob_id: int, ino: int
-                            ) -> tuple[Inode, BlobInfo | None] | None:
-        """`hold`, reading inode `ino` and its blob in the change that records the hold;
-        None where this host's hold stood all along (no host can have deleted the blob's
-        data since: nothing recorded, nothing read)."""
-        read = await self._hold(blob_id, self.meta.content_holding, ino, blob_id, self.id)
-        return None if read is STOOD else read
-
-    async def _hold(self, blob_id: int, record: Callable[..., T], *args: object
-                    ) -> T | _Stood:
-        if not self.shared:
-            self._add_hold(blob_id)
-            return STOOD
+        if self.hold_standing(blob_id):
+            return
         async with self._recording(blob_id):
             while blob_id in self._releasing_now:  # (it must not land after this hold)
                 await self._releases_sent.wait()
-            if self._held[blob_id] or blob_id in self._releasing:
-                self._releasing.discard(blob_id)
-                recorded: T | _Stood = STOOD
-            else:
+            if not (self._held[blob_id] or blob_id in self._releasing):
                 self._release_failed.discard(blob_id)
-                recorded = await off_loop(record, *args)
+                await off_loop(self.meta.hold, blob_id, self.id)
+            self._releasing.discard(blob_id)
             self._add_hold(blob_id)
-            return recorded
+
+    def hold_standing(self, blob_id: int) -> bool:
+        """Hold `blob_id` if that needs no record in the engine: on one host, or where this
+        host's hold of it stood all along (held, or its release not yet on its way; no host
+        can have deleted its data since). False: `read_holding` records one."""
+        if self.shared and not ((self._held[blob_id] or blob_id in self._releasing)
+                                and blob_id not in self._releasing_now):
+            return False
+        self._releasing.discard(blob_id)
+        self._add_hold(blob_id)
+        return True
+
+    async def read_holding(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+        """(Shared pool) Inode `ino` and its blob, read in the change that records this
+        host's hold of that blob: a reader's open in one worker call. The blob, if any, is
+        held (released with `release`)."""
+        in_flight, begun = frozenset(self._releasing_now), self._batches_begun
+        inode, blob = await off_loop(self.meta.content_held, ino, self.id)
+        if blob is not None:
+            await self._held_by_change(blob.blob_id, in_flight, begun)
+        return inode, blob
+
+    async def _held_by_change(self, blob_id: int, in_flight: frozenset[int], begun: int
+                              ) -> None:
+        """Count a hold a change recorded before this host knew which blob it was: a release
+        of that blob on its way to the engine meanwhile may have landed after it, so the
+        hold is recorded again once that release has."""
+        async with self._recording(blob_id):
+            if blob_id in in_flight or self._released_since(blob_id, begun):
+                while blob_id in self._releasing_now:
+                    await self._releases_sent.wait()
+                await off_loop(self.meta.hold, blob_id, self.id)
+            self._releasing.discard(blob_id)
+            self._release_failed.discard(blob_id)
+            self._add_hold(blob_id)
+
+    def _released_since(self, blob_id: int, begun: int) -> bool:
+        """Whether a batch of releases begun after the `begun`-th carried `blob_id` (or may
+        have: one no longer remembered)."""
+        if begun < self._batches_begun - len(self._recent_batches):
+            return True
+        return any(blob_id in blobs for number, blobs in self._recent_batches if number > begun)
 
     def hold_committing(self, blob_id: int) -> bytes | None:
         """Hold a new blob this host is about to commit: no other host can know it yet, so in
@@ -187,6 +209,8 @@ class Session:
             self._release_wanted = trio.Event()
             self._releasing_now = self._releasing | self._release_failed
             self._releasing, self._release_failed = set(), set()
+            self._batches_begun += 1
+            self._recent_batches.append((self._batches_begun, frozenset(self._releasing_now)))
             failed = False
             try:
                 await off_loop(self.meta.release_many, sorted(self._releasing_now), self.id)

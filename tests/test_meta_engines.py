@@ -776,9 +776,9 @@ def test_drop_files_holds_and_doomed_blobs(meta: MetaStore) -> None:
 
 def test_holds_recorded_by_commits_and_opens_read_in_the_same_change(meta: MetaStore
                                                                       ) -> None:
-    """A writer's commit records its hold of the new blob; an open's hold reads the inode
-    and its blob in the change that records it (nothing recorded where the file is gone);
-    releases of several blobs go in one change."""
+    """A writer's commit records its hold of the new blob; an open reads the inode and its
+    blob in the change that records its hold of that blob (nothing recorded where the file
+    is gone); releases of several blobs go in one change."""
     f, g = mkfile(meta, b"f"), mkfile(meta, b"g")
     session = session_id(meta)
     f_blob, g_blob = new_blob(meta, f.ino, 100), new_blob(meta, g.ino, 200)
@@ -786,15 +786,17 @@ def test_holds_recorded_by_commits_and_opens_read_in_the_same_change(meta: MetaS
     meta.commit_content(g.ino, g_blob)
     assert meta.holders(f_blob.blob_id) == [session] and meta.holders(g_blob.blob_id) == []
 
-    inode, blob = meta.content_holding(g.ino, g_blob.blob_id, session)
+    inode, blob = meta.content_held(g.ino, session)
     assert (inode, blob) == meta.content(g.ino) and blob is not None
     assert blob.blob_id == g_blob.blob_id and meta.holders(g_blob.blob_id) == [session]
     meta.release_many([f_blob.blob_id, g_blob.blob_id], session)
     assert meta.holders(f_blob.blob_id) == meta.holders(g_blob.blob_id) == []
 
     meta.remove(ROOT_INO, b"g", is_dir=False)
-    refused(errno.ENOENT, meta.content_holding, g.ino, g_blob.blob_id, session)
+    refused(errno.ENOENT, meta.content_held, g.ino, session)
     assert meta.holders(g_blob.blob_id) == []
+    empty = mkfile(meta, b"empty")
+    assert meta.content_held(empty.ino, session) == (meta.get(empty.ino), None)
     assert committed.blob == f_blob.blob_id
 
 
@@ -1020,6 +1022,36 @@ def test_cached_reads_come_from_memory_pushed_by_the_host_that_changed_them(
     assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"y", True))
                     in (RoundTripNeeded, other))
     assert two.lookup(ROOT_INO, b"y", True) == other
+
+
+def test_a_directory_this_host_made_answers_its_missing_names_from_memory(
+        pool: tuple[MetaStore, MetaStore]) -> None:
+    """A directory made here starts complete in the cache: a lookup of a name it lacks (a
+    store's new names) needs no round trip, whatever other hosts add or remove there later;
+    a directory another host made does not (this host cannot know all of its names)."""
+    one, two = pool
+    if not two.engine.watching():
+        pytest.skip("only an engine told of other hosts' changes caches")
+
+    def from_memory(read: Callable[[], object]) -> object:
+        with two.engine.from_memory():
+            try:
+                return read()
+            except RoundTripNeeded:
+                return RoundTripNeeded
+
+    mine, theirs = mkdir(two, b"mine"), mkdir(one, b"theirs")
+    assert from_memory(lambda: two.lookup(mine.ino, b"new", True)) is None
+    assert from_memory(lambda: two.lookup(theirs.ino, b"new", True)) is RoundTripNeeded
+    made = mkfile(one, b"new", mine.ino)  # another host's, announced
+    assert wait_for(lambda: from_memory(lambda: two.lookup(mine.ino, b"new", True)) == made)
+    assert from_memory(lambda: two.lookup(mine.ino, b"other", True)) is None
+    refused(errno.EEXIST, two.make, mine.ino, b"new", FILE, UID, GID)  # (no stale miss)
+    one.remove(mine.ino, b"new", False)
+    assert wait_for(lambda: from_memory(lambda: two.lookup(mine.ino, b"new", True)) is None)
+    again = mkfile(two, b"new", mine.ino)
+    assert from_memory(lambda: two.lookup(mine.ino, b"new", True)) == again
+    assert one.lookup(mine.ino, b"new") == again
 
 
 def test_each_host_is_told_of_the_names_and_inodes_others_change(

@@ -36,6 +36,9 @@ from conftest import (
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
 from local_redis import LocalRedis
 
+from kvfs.meta import ROOT_INO, MetaStore
+from kvfs.redis_engine import RedisEngine
+
 MiB = 1 << 20
 # Other hosts' changes show within 100 ms (README, measured by scripts/bench_shared.py); the
 # tests allow a loaded machine more, and still far less than the kernel keeps a name (5 s).
@@ -364,6 +367,31 @@ def test_a_blob_open_on_one_host_outlives_its_replacement_on_another(shared_pool
         assert reader.read() == old
     assert wait_for(lambda: len(blob_files(first.data)) == 1, 10)
     assert (second.mountpoint / "chunk").read_bytes() == b"new"
+
+
+def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
+        shared_pool, redis_server: LocalRedis) -> None:
+    """A reader's open records its hold in the change that reads the file, before this host
+    knows which blob it holds; a release of that blob gathered before may be on its way to
+    Redis meanwhile (releases go every 50 ms), and must not land after the hold and erase
+    it. The opens here come at every point of the gathering."""
+    first, second = shared_pool(2, "--capacity", "1G")
+    (first.mountpoint / "chunk").write_bytes(os.urandom(MiB))
+    meta = MetaStore(RedisEngine(redis_server.url))
+    try:
+        inode = meta.lookup(ROOT_INO, b"chunk")
+        assert inode is not None and inode.blob
+        chance = random.Random(19)
+        for _ in range(40):
+            (second.mountpoint / "chunk").read_bytes()  # an open, and a release gathered
+            time.sleep(chance.uniform(0, 0.07))
+            with open(second.mountpoint / "chunk", "rb") as reader:
+                time.sleep(0.15)  # a batch of releases on its way at the open has landed
+                assert meta.holders(inode.blob), "the hold of an open file was erased"
+                assert len(reader.read()) == MiB
+        assert wait_for(lambda: meta.holders(inode.blob) == [], 5)
+    finally:
+        meta.close()
 
 
 def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,

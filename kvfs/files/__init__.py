@@ -84,22 +84,30 @@ class FileTable(WritingOps):
                          ) -> Opened:
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         sums = not self._sums_may_wait(writable, flags)
+        held = False
         if made is not None:  # empty: its writer starts from nothing, whatever another
             inode, blob = made, None  # host writes meanwhile
         elif writable or flags & os.O_TRUNC:
             inode, blob = await self._content_to_change(ino, flags, caller, sums)
+        elif self.session.shared:  # a reader's one worker call: its read records its hold
+            inode, blob = await self._read_holding(ino, sums)
+            held = True
         else:  # a reader's one metadata read (commits run in worker threads: read at open)
             inode, blob = await self._content(ino, sums)
         if inode.is_dir:
-            raise fail(errno.EISDIR)
+            raise fail(errno.EISDIR)  # (a directory has no blob: nothing held)
         # Another process's kernel users (page cache, passthrough) get a short while to close
         # first, so that two instances storing one chunk at once do not mix; after it, and at
         # once within one process, the open is served beside them, as on a local disk.
         others = not self._opened_by_process(ino, caller)
         if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
+            if held and blob is not None:
+                await self.session.release(blob.blob_id)
+            held = False
             await self._wait_for_kernel_users(inode.ino)
             inode, blob = await self._content(inode.ino, sums)
-        inode, blob = await self._hold(inode, blob, sums)
+        if not held:
+            inode, blob = await self._hold(inode, blob, sums)
         try:
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
@@ -219,25 +227,28 @@ class FileTable(WritingOps):
     async def _hold(self, inode: Inode, blob: BlobInfo | None, sums: bool
                     ) -> tuple[Inode, BlobInfo | None]:
         """Hold the blob about to be opened (released with the handle). In a shared pool a
-        new hold is recorded first and the inode read again (`sums`: as `_content`): a blob
-        that another host replaced in between may already be on its way out, so the new one
-        is held instead. (A hold that stood all along kept the blob: what was read stands.)"""
-        while blob is not None:
-            read = await self.session.hold_and_read(blob.blob_id, inode.ino)
-            if read is None:
-                break
-            try:
-                again, again_blob = read
-                if sums and again_blob is not None and again_blob.pending:
-                    again, again_blob = await self._content(inode.ino, sums)
-            except BaseException:
-                await self.session.release(blob.blob_id)  # removed meanwhile, by another host
-                raise
-            if again_blob is not None and again_blob.blob_id == blob.blob_id:
-                return again, again_blob
-            await self.session.release(blob.blob_id)
-            inode, blob = again, again_blob
-        return inode, blob
+        hold that did not stand already is recorded in a change that reads the inode again
+        (`_read_holding`): a blob that another host replaced in between may already be on
+        its way out, so whatever the inode names then is held instead."""
+        if blob is None or self.session.hold_standing(blob.blob_id):
+            return inode, blob
+        return await self._read_holding(inode.ino, sums)
+
+    async def _read_holding(self, ino: int, sums: bool) -> tuple[Inode, BlobInfo | None]:
+        """(Shared pool) `_content`, read in the change that records this host's hold of the
+        blob read (released with the handle)."""
+        inode, blob = await self.session.read_holding(ino)
+        if not (sums and blob is not None and blob.pending):
+            return inode, blob
+        try:
+            again, again_blob = await self._content(ino, sums)
+        except BaseException:
+            await self.session.release(blob.blob_id)  # removed meanwhile, by another host
+            raise
+        if again_blob is not None and again_blob.blob_id == blob.blob_id:
+            return again, again_blob
+        await self.session.release(blob.blob_id)
+        return await self._hold(again, again_blob, sums)
 
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
         """Readers of a committed blob, O_DIRECT ones too unless --odirect daemon."""

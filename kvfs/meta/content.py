@@ -33,16 +33,16 @@ class ContentOps(MetaBase):
                 raise fail(errno.EIO)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
-    def content_holding(self, ino: int, blob_id: int, session: bytes
-                        ) -> tuple[Inode, BlobInfo | None]:
-        """`content`, read in the change that records `session`'s hold of `blob_id` (a
-        shared pool's open: a hold, then a read again, in one round trip less)."""
+    def content_held(self, ino: int, session: bytes) -> tuple[Inode, BlobInfo | None]:
+        """`content`, read in the change that records `session`'s hold of the inode's blob (a
+        shared pool's open: the read and the hold in one round trip of the loop's)."""
         def change(txn: Txn) -> tuple[Inode, BlobInfo | None]:
-            self._record_hold(txn, blob_id, session)
             inode = self._get(txn, ino)
             raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
             if inode.blob and raw is None:
                 raise fail(errno.EIO)
+            if inode.blob:
+                self._record_hold(txn, inode.blob, session)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
         return self._change(change)
 

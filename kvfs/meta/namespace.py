@@ -184,7 +184,9 @@ class NamespaceOps(MetaBase):
             self._link(txn, parent, name, inode, cookie)
             self._put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
                                                  mtime_ns=now, ctime_ns=now))
-            if not is_dir:
+            if is_dir:
+                txn.known_empty("dentry", u64(ino))
+            else:
                 txn.add("counters", b"files", 1)
             return inode
         return self._change(change)
