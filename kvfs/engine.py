@@ -105,6 +105,9 @@ class Txn(Protocol):
 class Engine(Protocol):
     shared: bool  # whether other hosts use the same metadata at the same time
     conflicts: int  # changes run again because another change got in their way
+    # Called (from any thread) after each change this engine makes, or hears another host
+    # made: what was read before may be stale (the FUSE layer's recorded listing ends).
+    on_change: Callable[[], None]
 
     def snapshot(self, cached: bool = False) -> AbstractContextManager[Txn]:
         """Reads of one moment (a shared engine: of Redis now). `cached`: names and
@@ -402,6 +405,7 @@ class LmdbEngine:
         self._stopping = False
         self._committer_idle = False  # waiting for changes: the next one wakes it
         self.commit_failures = 0
+        self.on_change: Callable[[], None] = lambda: None
         self._log = ChangeLog(path)
         self._seq = self._applied()
         self._replay(readonly)
@@ -486,6 +490,8 @@ class LmdbEngine:
                 self._seq = seq
                 if self._committer_idle:
                     self._moved.notify_all()
+        if writes:
+            self.on_change()
         return result
 
     def allocate(self, key: bytes, count: int) -> int:

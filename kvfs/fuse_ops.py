@@ -298,6 +298,12 @@ class KvfsOperations(pyfuse3.Operations):
         # for security.capability at each new file's first write (one of a store's requests)
         # and `ls -l` for two names per entry.
         self.user_xattrs_only = True
+        # `ls`, `du` and `find` read each directory once more after its last entry: the
+        # patched pyfuse3 answers that READDIR itself (`readdir` marks the end) unless the
+        # metadata changed since, which the engine tells it.
+        listings_changed = getattr(pyfuse3, "listings_changed", None)
+        if listings_changed is not None:
+            meta.engine.on_change = listings_changed
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
 
@@ -545,6 +551,8 @@ class KvfsOperations(pyfuse3.Operations):
         for name, inode in self.control.entries(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._entry(inode), inode.ino):
                 return
+        if hasattr(token, "ended"):  # kvfs's pyfuse3 patch
+            token.ended = True
 
     async def releasedir(self, fh: int) -> None:
         pass

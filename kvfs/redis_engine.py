@@ -562,10 +562,12 @@ class _Change:
             applied = self._run_script(with_writes=True)
         except BaseException:
             cache.drop(record for record, _ in written)  # applied or not: not known
+            self.engine.on_change()
             raise
         if not applied:
             raise redis.WatchError("a record this change read has changed")
         cache.wrote(written, stamps, self.emptied)
+        self.engine.on_change()
 
     def still_valid(self) -> bool:
         return self._run_script(with_writes=False)
@@ -586,6 +588,7 @@ class RedisEngine:
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), ATTEMPTS - 1))
         self._down_until = 0.0
         self.conflicts = 0
+        self.on_change: Callable[[], None] = lambda: None
         self._room = (0.0, True)
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
@@ -778,6 +781,7 @@ class RedisEngine:
             return  # this host's own kernel and cache saw its changes
         self.cache.pushed([(_record_key(family, key), value)  # before the kernel re-asks
                            for family, key, value in records])
+        self.on_change()
         for family, key, _ in records:
             try:
                 changed(family, key)

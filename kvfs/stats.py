@@ -47,11 +47,18 @@ class RequestTimes:
                 for request, (buckets, seconds) in sorted(self.histograms().items())}
 
 
-def foreign_xattrs_refused() -> int:
-    """GETXATTRs of names outside user.* that kvfs's pyfuse3 patch answered ENODATA before
-    they reached the loop (`requests` does not count them)."""
-    refusals = getattr(pyfuse3, "foreign_xattr_refusals", None)
-    return refusals() if refusals is not None else 0
+# Requests kvfs's pyfuse3 patch answers itself, before the loop (`requests` does not count
+# them): counter -> the patch's function that reads it.
+ANSWERED_BY_PYFUSE3 = {
+    "foreign_xattrs_refused": "foreign_xattr_refusals",  # GETXATTRs outside user.*: ENODATA
+    "listing_ends_answered": "listing_ends",  # READDIRs at a listing's recorded end: empty
+}
+
+
+def answered_by_pyfuse3() -> dict[str, int]:
+    """Each counter of ANSWERED_BY_PYFUSE3 (0 under a pyfuse3 without kvfs's patch)."""
+    return {counter: getattr(pyfuse3, function, lambda: 0)()
+            for counter, function in ANSWERED_BY_PYFUSE3.items()}
 
 
 def _quantile(buckets: list[int], share: float) -> int | None:
@@ -102,6 +109,6 @@ class Stats:
     def as_dict(self) -> dict[str, object]:
         counters: dict[str, object] = {counter.name: getattr(self, counter.name)
                                        for counter in fields(self) if counter.name != "requests"}
-        counters["foreign_xattrs_refused"] = foreign_xattrs_refused()
+        counters |= answered_by_pyfuse3()
         counters["requests"] = self.requests.as_dict()
         return counters

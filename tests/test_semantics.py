@@ -187,6 +187,33 @@ def test_attributes_outside_user_are_absent_and_counted(kvfs) -> None:
     else:  # stock pyfuse3: the loop answers them all
         assert (refused, handled) == (0, len(names) + 1)
 
+def test_the_read_after_a_listings_end_is_answered_unless_the_directory_changed(kvfs
+                                                                                ) -> None:
+    """`ls`, `du` and `find` read each directory once more after its last entry; the patched
+    pyfuse3 answers that READDIR itself (counted), but not once the metadata changed since
+    the listing began: a name made between two reads of a listing still shows."""
+    directory = kvfs.mountpoint / "d"
+    directory.mkdir()
+    for name in ("a", "b", "c"):
+        (directory / name).write_bytes(b"x")
+    drop_caches()
+    before = stats(kvfs.mountpoint)
+    assert sorted(os.listdir(directory)) == ["a", "b", "c"]
+    after = stats(kvfs.mountpoint)
+    handled = (after["requests"]["readdir"]["count"]
+               - before["requests"].get("readdir", {"count": 0})["count"])
+    ended = after["listing_ends_answered"] - before["listing_ends_answered"]
+    patched = hasattr(pyfuse3, "listing_ends")
+    assert (handled, ended) == ((1, 1) if patched else (2, 0))
+
+    drop_caches()
+    with os.scandir(directory) as listing:
+        seen = [next(listing).name for _ in range(3)]  # one READDIR: the whole directory
+        (directory / "late").write_bytes(b"x")  # before the next READDIR, at the end
+        seen += [entry.name for entry in listing]
+    assert sorted(seen) == ["a", "b", "c", "late"]
+
+
 def test_attributes(kvfs) -> None:
     path = kvfs.mountpoint / "f"
     path.write_bytes(b"abc")
