@@ -124,10 +124,12 @@ class Session:
 
     def hold_standing(self, blob_id: int) -> bool:
         """Hold `blob_id` if that needs no record in the engine: on one host, or where this
-        host's hold of it stood all along (held, or its release not yet on its way; no host
-        can have deleted its data since). False: `read_holding` records one."""
+        host's hold of it stood all along (held, or its release not yet on its way, and no
+        record of it under way: no host can have deleted its data since). False:
+        `read_holding` records one."""
         if self.shared and not ((self._held[blob_id] or blob_id in self._releasing)
-                                and blob_id not in self._releasing_now):
+                                and blob_id not in self._releasing_now
+                                and blob_id not in self._recording_locks):
             return False
         self._releasing.discard(blob_id)
         self._add_hold(blob_id)
@@ -137,25 +139,45 @@ class Session:
         """(Shared pool) Inode `ino` and its blob, read in the change that records this
         host's hold of that blob: a reader's open in one worker call. The blob, if any, is
         held (released with `release`)."""
-        in_flight, begun = frozenset(self._releasing_now), self._batches_begun
-        inode, blob = await off_loop(self.meta.content_held, ino, self.id)
-        if blob is not None:
-            await self._held_by_change(blob.blob_id, in_flight, begun)
-        return inode, blob
+        while True:
+            in_flight, begun = frozenset(self._releasing_now), self._batches_begun
+            inode, blob = await off_loop(self.meta.content_held, ino, self.id)
+            if blob is None or not await self._held_by_change(blob.blob_id, in_flight, begun):
+                return inode, blob
+            # Recorded again after a release that may have erased the first record: the
+            # blob's data is safe only if the inode still names it (a blob is doomed only
+            # once replaced or removed), else the new one is held instead.
+            try:
+                inode, again = await off_loop(self.meta.content, ino)
+            except BaseException:
+                await self.release(blob.blob_id)
+                raise
+            if again is not None and again.blob_id == blob.blob_id:
+                return inode, again
+            await self.release(blob.blob_id)
 
     async def _held_by_change(self, blob_id: int, in_flight: frozenset[int], begun: int
-                              ) -> None:
-        """Count a hold a change recorded before this host knew which blob it was: a release
-        of that blob on its way to the engine meanwhile may have landed after it, so the
-        hold is recorded again once that release has."""
-        async with self._recording(blob_id):
-            if blob_id in in_flight or self._released_since(blob_id, begun):
+                              ) -> bool:
+        """Count a hold a change recorded before this host knew which blob it was; returns
+        whether it was recorded again: a release of that blob on its way to the engine
+        meanwhile (`in_flight` then, or a batch begun after the `begun`-th) may have landed
+        after the hold. Counted at once, so that this host's other handles of the blob,
+        closing meanwhile, queue no release of it."""
+        self._add_hold(blob_id)
+        self._releasing.discard(blob_id)
+        self._release_failed.discard(blob_id)
+        if not (blob_id in in_flight or self._released_since(blob_id, begun)):
+            return False
+        try:
+            async with self._recording(blob_id):
                 while blob_id in self._releasing_now:
                     await self._releases_sent.wait()
+                self._release_failed.discard(blob_id)  # (the batch may have failed)
                 await off_loop(self.meta.hold, blob_id, self.id)
-            self._releasing.discard(blob_id)
-            self._release_failed.discard(blob_id)
-            self._add_hold(blob_id)
+        except BaseException:
+            await self.release(blob_id)
+            raise
+        return True
 
     def _released_since(self, blob_id: int, begun: int) -> bool:
         """Whether a batch of releases begun after the `begun`-th carried `blob_id` (or may
