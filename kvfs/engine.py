@@ -490,8 +490,7 @@ class LmdbEngine:
                 self._seq = seq
                 if self._committer_idle:
                     self._moved.notify_all()
-        if writes:
-            self.on_change()
+                self.on_change()
         return result
 
     def allocate(self, key: bytes, count: int) -> int:

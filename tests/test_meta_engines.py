@@ -163,6 +163,16 @@ def listing(meta: MetaStore, parent: int, after: int = 0) -> list[tuple[bytes, i
     return [(name, inode.ino, cookie) for name, inode, cookie in meta.readdir(parent, after)]
 
 
+def from_memory(meta: MetaStore, read: Callable[[], object]) -> object:
+    """What `read` gives from `meta`'s memory alone (where the daemon's loop tries cached
+    reads), or RoundTripNeeded."""
+    with meta.engine.from_memory():
+        try:
+            return read()
+        except RoundTripNeeded:
+            return RoundTripNeeded
+
+
 def names_in(meta: MetaStore, parent: int) -> list[bytes]:
     return [name for name, _, _ in listing(meta, parent)]
 
@@ -997,29 +1007,22 @@ def test_cached_reads_come_from_memory_pushed_by_the_host_that_changed_them(
     if not two.engine.watching():
         pytest.skip("only an engine told of other hosts' changes caches")
 
-    def from_memory(read: Callable[[], object]) -> object:
-        with two.engine.from_memory():
-            try:
-                return read()
-            except RoundTripNeeded:
-                return RoundTripNeeded
-
     made = mkfile(one, b"x")
-    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"x", True)) == made)
-    assert from_memory(lambda: two.get(made.ino, True)) == made
-    assert from_memory(lambda: two.get(made.ino)) is RoundTripNeeded  # not cached: Redis
+    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"x", True)) == made)
+    assert from_memory(two, lambda: two.get(made.ino, True)) == made
+    assert from_memory(two, lambda: two.get(made.ino)) is RoundTripNeeded  # not cached: Redis
     changed = one.set_attrs(made.ino, mode=0o600)
-    assert wait_for(lambda: from_memory(lambda: two.get(made.ino, True)) == changed)
+    assert wait_for(lambda: from_memory(two, lambda: two.get(made.ino, True)) == changed)
     one.remove(ROOT_INO, b"x", False)
-    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"x", True)) is None)
+    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"x", True)) is None)
 
     def read_and_kept() -> bool:  # (a read that raced any change of its bucket is not kept)
         assert two.lookup(ROOT_INO, b"y", True) is None
-        return from_memory(lambda: two.lookup(ROOT_INO, b"y", True)) is None
+        return from_memory(two, lambda: two.lookup(ROOT_INO, b"y", True)) is None
     assert wait_for(read_and_kept)
     other = mkfile(one, b"y")
     # (what this host read itself cannot be ordered against an announcement: dropped)
-    assert wait_for(lambda: from_memory(lambda: two.lookup(ROOT_INO, b"y", True))
+    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"y", True))
                     in (RoundTripNeeded, other))
     assert two.lookup(ROOT_INO, b"y", True) == other
 
@@ -1033,24 +1036,17 @@ def test_a_directory_this_host_made_answers_its_missing_names_from_memory(
     if not two.engine.watching():
         pytest.skip("only an engine told of other hosts' changes caches")
 
-    def from_memory(read: Callable[[], object]) -> object:
-        with two.engine.from_memory():
-            try:
-                return read()
-            except RoundTripNeeded:
-                return RoundTripNeeded
-
     mine, theirs = mkdir(two, b"mine"), mkdir(one, b"theirs")
-    assert from_memory(lambda: two.lookup(mine.ino, b"new", True)) is None
-    assert from_memory(lambda: two.lookup(theirs.ino, b"new", True)) is RoundTripNeeded
+    assert from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) is None
+    assert from_memory(two, lambda: two.lookup(theirs.ino, b"new", True)) is RoundTripNeeded
     made = mkfile(one, b"new", mine.ino)  # another host's, announced
-    assert wait_for(lambda: from_memory(lambda: two.lookup(mine.ino, b"new", True)) == made)
-    assert from_memory(lambda: two.lookup(mine.ino, b"other", True)) is None
+    assert wait_for(lambda: from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) == made)
+    assert from_memory(two, lambda: two.lookup(mine.ino, b"other", True)) is None
     refused(errno.EEXIST, two.make, mine.ino, b"new", FILE, UID, GID)  # (no stale miss)
     one.remove(mine.ino, b"new", False)
-    assert wait_for(lambda: from_memory(lambda: two.lookup(mine.ino, b"new", True)) is None)
+    assert wait_for(lambda: from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) is None)
     again = mkfile(two, b"new", mine.ino)
-    assert from_memory(lambda: two.lookup(mine.ino, b"new", True)) == again
+    assert from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) == again
     assert one.lookup(mine.ino, b"new") == again
 
 
