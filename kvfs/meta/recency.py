@@ -48,8 +48,9 @@ class RecencyOps(MetaBase):
 
     def usage(self) -> Usage:
         with self.engine.snapshot() as txn:
-            return Usage(self._capacity(txn), txn.count("counters", b"used_bytes"),
-                         txn.count("counters", b"files"))
+            counters = txn.counts("counters")  # (one read of all four: one round trip)
+            return Usage(self._capacity(txn), counters.get(b"used_bytes", 0),
+                         counters.get(b"files", 0))
 
     def _capacity(self, txn: Txn) -> int:
         raw = txn.get("settings", b"capacity")
