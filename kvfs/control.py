@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 
+from kvfs.engine import LoopChanges
 from kvfs.loads import LoadMeter
 from kvfs.meta import ROOT_INO, Inode, MetaStore
 from kvfs.offloop import off_loop
@@ -50,6 +51,8 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "files": files,
         **stats.as_dict(),
         "metadata_conflicts": meta.engine.conflicts,
+        "metadata_loop_commits": (meta.engine.loop_commits
+                                  if isinstance(meta.engine, LoopChanges) else 0),
         "hosts": hosts,
         "models": models,
         "loads": loads.as_dict(),

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import lmdb
 
@@ -158,8 +158,22 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class LoopChanges(Protocol):
+    """An engine whose changes may also commit from the trio loop (the shared one: there a
+    worker thread costs two hand-offs on top of the round trip)."""
+
+    loop_commits: int  # changes committed from the loop
+
+    async def change_on_loop(self, function: Callable[[], T]) -> T:
+        """Call `function`, which makes one change and has no other effects (it may run
+        twice), committing from the loop; RoundTripNeeded where a worker must call it."""
+        ...
+
+
 class RoundTripNeeded(Exception):
-    """A read inside `Engine.from_memory` that only a round trip can answer."""
+    """A read inside `Engine.from_memory` that only a round trip can answer (or a change
+    that `LoopChanges.change_on_loop` leaves to a worker)."""
 
 
 class ChangesPending(Exception):

@@ -460,38 +460,39 @@ class KvfsOperations(pyfuse3.Operations):
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call(self.meta.make, parent_inode, name, mode, ctx.uid, ctx.gid,
-                                     rdev=rdev)
+        inode = await self.meta_call.change(self.meta.make, parent_inode, name, mode, ctx.uid,
+                                            ctx.gid, rdev=rdev)
         return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call(self.meta.make, parent_inode, name,
-                                     stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+                                            stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.retire(await self.meta_call(self.meta.remove, parent_inode, name, is_dir=False))
+        self.files.retire(await self.meta_call.change(self.meta.remove, parent_inode, name,
+                                                      is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        await self.meta_call(self.meta.remove, parent_inode, name, is_dir=True)
+        await self.meta_call.change(self.meta.remove, parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        _, replaced = await self.meta_call(self.meta.rename, parent_inode_old, name_old,
-                                           parent_inode_new, name_new, flags)
+        _, replaced = await self.meta_call.change(self.meta.rename, parent_inode_old, name_old,
+                                                  parent_inode_new, name_new, flags)
         if replaced is not None:
             self.files.retire(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call(self.meta.make, parent_inode, name, stat.S_IFLNK | 0o777,
-                                     ctx.uid, ctx.gid, target=target)
+        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+                                            stat.S_IFLNK | 0o777, ctx.uid, ctx.gid, target=target)
         return entry_attributes(inode, self.caching.entry)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
@@ -573,8 +574,8 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call(self.meta.make, parent_inode, name,
-                                     stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+                                            stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 

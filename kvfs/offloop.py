@@ -23,7 +23,7 @@ from typing import ParamSpec, TypeVar
 
 import trio
 
-from kvfs.engine import ChangesPending, Engine, RoundTripNeeded
+from kvfs.engine import ChangesPending, Engine, LoopChanges, RoundTripNeeded
 from kvfs.records import fail
 
 T = TypeVar("T")
@@ -51,6 +51,7 @@ class MetaCalls:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.blocking = engine.shared
+        self.loop_changes = engine if isinstance(engine, LoopChanges) else None
 
     async def cached(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A read whose answer the kernel caches (a `cached` snapshot): on a shared engine
@@ -60,6 +61,18 @@ class MetaCalls:
             try:
                 with self.engine.from_memory():
                     return function(*args, **kwargs)
+            except RoundTripNeeded:
+                pass
+        return await self(function, *args, **kwargs)
+
+    async def change(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """A metadata change with no other effects (it may run twice): on a shared engine
+        committed from the loop where its reads come from the engine's memory (a store's
+        create and rename in a directory whose names this host knows), else as a call."""
+        if self.loop_changes is not None:
+            try:
+                return await self.loop_changes.change_on_loop(
+                    functools.partial(function, *args, **kwargs))
             except RoundTripNeeded:
                 pass
         return await self(function, *args, **kwargs)

@@ -65,11 +65,13 @@ from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
 import redis
+import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvfs.engine import RoundTripNeeded, get_through
 from kvfs.records import fail
+from kvfs.redis_loop import LoopConnection, LoopConnectionError
 
 log = logging.getLogger(__name__)
 
@@ -484,6 +486,7 @@ class _Change:
         raise TypeError("counters are added to, not read, inside a change")
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        self.engine.round_trip_allowed()
         if family in PARTITIONED or family in INDEXED:
             unwatched = [key for key in _set_keys(family, start) if key not in self.watched]
             if unwatched:
@@ -554,19 +557,43 @@ class _Change:
         return bool(applied)
 
     def commit(self) -> None:
-        cache = self.engine.cache
-        written = [(_record_key(family, key), value)
-                   for (family, key), value in self.writes.items() if cache.cacheable(family)]
-        stamps = cache.stamps(record for record, _ in written)
+        written, stamps = self._cached_writes()
         try:
             applied = self._run_script(with_writes=True)
         except BaseException:
-            cache.drop(record for record, _ in written)  # applied or not: not known
-            self.engine.on_change()
+            self._outcome_unknown(written)
             raise
+        self._committed(applied, written, stamps)
+
+    async def commit_on_loop(self, connection: LoopConnection) -> None:
+        """`commit` from the trio loop (for a change that scanned nothing)."""
+        written, stamps = self._cached_writes()
+        keys, args = self._script_call(with_writes=True)
+        try:
+            with trio.CancelScope(shield=True):  # once sent, a commit is seen through
+                applied = await connection.script(self.engine.commit_script.sha, COMMIT_SCRIPT,
+                                                  keys, args)
+        except BaseException:
+            self._outcome_unknown(written)
+            raise
+        self._committed(bool(applied), written, stamps)
+
+    def _cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], list[int]]:
+        """What the commit writes of the cached families, and their stamps before it."""
+        cache = self.engine.cache
+        written = [(_record_key(family, key), value)
+                   for (family, key), value in self.writes.items() if cache.cacheable(family)]
+        return written, cache.stamps(record for record, _ in written)
+
+    def _outcome_unknown(self, written: list[tuple[bytes, bytes | None]]) -> None:
+        self.engine.cache.drop(record for record, _ in written)  # applied or not: not known
+        self.engine.on_change()
+
+    def _committed(self, applied: bool, written: list[tuple[bytes, bytes | None]],
+                   stamps: list[int]) -> None:
         if not applied:
             raise redis.WatchError("a record this change read has changed")
-        cache.wrote(written, stamps, self.emptied)
+        self.engine.cache.wrote(written, stamps, self.emptied)
         self.engine.on_change()
 
     def still_valid(self) -> bool:
@@ -595,6 +622,9 @@ class RedisEngine:
         self.cache = RecordCache()
         self._memory_only = threading.local()  # `from_memory` on this thread
         self.channel = CHANGES_CHANNEL % self.client.get_connection_kwargs().get("db", 0)
+        self.loop_connection = LoopConnection(url)
+        self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
+        self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -606,6 +636,7 @@ class RedisEngine:
 
     def call(self, method: Callable[..., T], *args: object) -> T:
         """One request; EIO (logged once per outage) when Redis cannot be reached."""
+        self.round_trip_allowed()
         if time.monotonic() < self._down_until:
             raise fail(errno.EIO)
         try:
@@ -635,6 +666,9 @@ class RedisEngine:
         return _Reader(self, cached)
 
     def change(self, change: Callable[[_Change], T]) -> T:
+        pending = getattr(self._on_loop, "pending", None)
+        if pending is not None:
+            return self._change_for_loop(change, pending)
         for attempt in range(CHANGE_ATTEMPTS):
             with self.client.pipeline(transaction=True) as pipe:
                 txn = _Change(self, pipe)
@@ -655,6 +689,51 @@ class RedisEngine:
             time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)))
         log.error("a metadata change conflicted %d times in a row", CHANGE_ATTEMPTS)
         raise fail(errno.EAGAIN)
+
+    async def change_on_loop(self, function: Callable[[], T]) -> T:
+        """Call `function`, whose one change reads from the record cache alone, on the
+        calling trio loop, and commit the change from there (`loop_connection`): no worker
+        thread. RoundTripNeeded where a worker must call it instead (it may have run up to
+        its change): a read the cache lacks, a second change, an error (a worker checks the
+        view it came from), a conflict."""
+        if time.monotonic() < self._down_until:
+            raise fail(errno.EIO)
+        pending: list[_Change] = []
+        self._on_loop.pending = pending
+        try:
+            with self.from_memory():
+                result = function()
+        finally:
+            self._on_loop.pending = None
+        for txn in pending:
+            try:
+                await txn.commit_on_loop(self.loop_connection)
+            except redis.WatchError:
+                self.cache.drop(txn.read)
+                self.conflicts += 1
+                raise RoundTripNeeded from None
+            except LoopConnectionError as error:
+                self._went_down(error)
+                raise fail(errno.EIO) from None
+            self.loop_commits += 1
+        if self._down_until:
+            self._came_back()
+        return result
+
+    def _change_for_loop(self, change: Callable[[_Change], T], pending: list[_Change]) -> T:
+        """(`change_on_loop`) Run `change` from the cache; its commit joins `pending`."""
+        if pending:  # (a second change would read the first one's writes before they land)
+            raise RoundTripNeeded
+        with self.client.pipeline(transaction=True) as pipe:  # (no round trip: never used)
+            txn = _Change(self, pipe)
+            try:
+                result = change(txn)
+            except RoundTripNeeded:
+                raise
+            except Exception:
+                raise RoundTripNeeded from None
+        pending.append(txn)
+        return result
 
     def read(self, family: str, records: list[bytes], cached: bool = True
              ) -> list[bytes | None]:
@@ -683,12 +762,11 @@ class RedisEngine:
         finally:
             self._memory_only.on = False
 
-    def _round_trip_allowed(self) -> None:
+    def round_trip_allowed(self) -> None:
         if getattr(self._memory_only, "on", False):
             raise RoundTripNeeded
 
     def _fetch(self, records: list[bytes]) -> list[bytes | None]:
-        self._round_trip_allowed()
         if len(records) == 1:
             return [_reply(self.call(self.client.get, records[0]))]
         return _replies(self.call(self.client.mget, records)) if records else []
@@ -704,7 +782,6 @@ class RedisEngine:
             if entry is None:
                 return None, None
             return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))])[0]
-        self._round_trip_allowed()
         prefix = _record_key(to_family, b"")
         [stamp], changes = self.cache.stamps([record]), self.cache.changes
         fetched, referred = self.call(self.lookup_script, [record], [prefix])
@@ -793,6 +870,7 @@ class RedisEngine:
         if self._watcher is not None:
             self._watcher.join(timeout=2 * WATCH_POLL_SECONDS)
         self.client.close()
+        self.loop_connection.close()
 
     # -- sessions ------------------------------------------------------------------------
 

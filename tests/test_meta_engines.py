@@ -12,6 +12,7 @@ hosts of one pool run on Redis only.
 from __future__ import annotations
 
 import errno
+import functools
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import trio
 from conftest import wait_for
 
 from kvfs.changelog import ChangeLog
@@ -1048,6 +1050,61 @@ def test_a_directory_this_host_made_answers_its_missing_names_from_memory(
     again = mkfile(two, b"new", mine.ino)
     assert from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) == again
     assert one.lookup(mine.ino, b"new") == again
+
+
+def on_loop(meta: MetaStore, change: Callable[[], object],
+            before: Callable[[], object] = lambda: None) -> object:
+    """What `change` gives when the daemon's loop commits it (`change_on_loop`), or
+    RoundTripNeeded; `before` runs first, in the same trio run."""
+    engine = meta.engine
+    assert isinstance(engine, RedisEngine)
+
+    async def run() -> object:
+        before()
+        try:
+            return await engine.change_on_loop(change)
+        except RoundTripNeeded:
+            return RoundTripNeeded
+    return trio.run(run)
+
+
+def test_a_change_whose_reads_the_cache_holds_commits_from_the_loop(
+        pool: tuple[MetaStore, MetaStore]) -> None:
+    """A create or rename whose every read the cache answers commits from the loop; one that
+    needs a round trip, fails, or meets another host's change is left to a worker, so that
+    a name is made once whoever races for it."""
+    one, two = pool
+    if not two.engine.watching():
+        pytest.skip("only an engine told of other hosts' changes caches")
+    engine = two.engine
+    assert isinstance(engine, RedisEngine)
+    mine, theirs = mkdir(two, b"mine"), mkdir(one, b"theirs")
+    committed = engine.loop_commits
+    made = on_loop(two, lambda: two.make(mine.ino, b"a", FILE, UID, GID))
+    assert isinstance(made, Inode) and one.lookup(mine.ino, b"a") == made
+    on_loop(two, lambda: two.rename(mine.ino, b"a", mine.ino, b"b", 0))
+    assert one.lookup(mine.ino, b"a") is None and one.lookup(mine.ino, b"b") == made._replace(
+        name=b"b", ctime_ns=one.get(made.ino).ctime_ns)
+    assert engine.loop_commits == committed + 2
+    # A directory another host made: its names are not all in this host's cache.
+    assert on_loop(two, lambda: two.make(theirs.ino, b"x", FILE, UID, GID)) is RoundTripNeeded
+    assert one.lookup(theirs.ino, b"x") is None  # (nothing was committed)
+    # An error is the answer only once a worker has checked the view it came from.
+    assert on_loop(two, lambda: two.make(mine.ino, b"b", FILE, UID, GID)) is RoundTripNeeded
+    # Another host makes the name just before: the loop's change either sees it (EEXIST)
+    # or commits against a stale miss and is refused (a conflict); a worker then answers.
+    for n in range(20):
+        name = b"race-%d" % n
+        outcome = on_loop(two, functools.partial(two.make, mine.ino, name, FILE, UID, GID),
+                          before=functools.partial(mkfile, one, name, mine.ino))
+        assert outcome is RoundTripNeeded
+        refused(errno.EEXIST, two.make, mine.ino, name, FILE, UID, GID)
+        theirs_made = one.lookup(mine.ino, name)
+        assert theirs_made is not None and two.lookup(mine.ino, name) == theirs_made
+        assert theirs_made.uid == UID and one.get(theirs_made.ino).nlink == 1
+    assert sorted(name for name, _, _ in listing(one, mine.ino)) == sorted(
+        [b"b", *(b"race-%d" % n for n in range(20))])
+    assert engine.loop_commits == committed + 2  # (here 5–10 of the 20 met a conflict)
 
 
 def test_each_host_is_told_of_the_names_and_inodes_others_change(

@@ -228,6 +228,34 @@ def test_other_hosts_changes_reach_a_caching_kernel(shared_pool) -> None:
     assert seen_within(lambda: "chunk.data" not in os.listdir(second.mountpoint))
 
 
+def test_stores_in_a_directory_this_host_made_commit_from_the_request_loop(shared_pool) -> None:
+    """vLLM-tier stores (an O_EXCL temporary name, a write, a close, a rename) into a
+    directory this host made: their creates and renames read only what this host's cache
+    holds, so they commit from the request loop; every host sees them at once, and a
+    removal there commits the same way."""
+    first, second = shared_pool(2)
+    (first.mountpoint / "blocks").mkdir()
+    before = stats(first.mountpoint)["metadata_loop_commits"]
+    contents = {f"{n:016x}.bin": os.urandom(4096 + n) for n in range(10)}
+    for name, content in contents.items():
+        final = first.mountpoint / "blocks" / name
+        assert not final.exists()
+        fd = os.open(f"{final}.tmp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, content)
+        os.close(fd)
+        os.replace(f"{final}.tmp", final)
+    (first.mountpoint / "blocks" / "0000000000000000.bin").unlink()
+    del contents["0000000000000000.bin"]
+    # Each store's create and rename and the removal, but those that came when the pool's
+    # room was due for its check (once a second) or the id stock for a refill: a worker's.
+    assert stats(first.mountpoint)["metadata_loop_commits"] - before >= 18
+    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
+    for name, content in contents.items():
+        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    assert stats(second.mountpoint)["metadata_loop_commits"] == 0
+    assert_pool_counters_exact(first)
+
+
 def slow_writer(path: str, started: EventType) -> None:
     with open(path, "wb") as out:
         out.write(os.urandom(MiB))
@@ -276,6 +304,8 @@ def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> 
     first, second = shared_pool(2, "--capacity", "1G")
     content = os.urandom(3 * MiB)
     (first.mountpoint / "before").write_bytes(content)
+    directories = (f"mine-{n}" for n in range(1000))
+    assert wait_for(lambda: stored_from_the_loop(second, next(directories)), 20)
     redis_server.stop()
     started = time.monotonic()
     with pytest.raises(OSError) as failed:
@@ -289,10 +319,26 @@ def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> 
     assert wait_for(lambda: _read(second.mountpoint / "before") == content, 20)
     (second.mountpoint / "after").write_bytes(b"written after the restart")
     assert wait_for(lambda: _read(first.mountpoint / "after") == b"written after the restart", 20)
+    # Creates that commit from the request loop have a connection of their own, which the
+    # restart broke: it connects again.
+    assert wait_for(lambda: stored_from_the_loop(second, next(directories)), 20)
+    mine = sorted(name for name in os.listdir(second.mountpoint) if name.startswith("mine-"))
+    assert wait_for(lambda: [_read(first.mountpoint / name / "file") for name in mine]
+                    == [name.encode() for name in mine], 20)
     for host in (first, second):
         assert stats(host.mountpoint)["handler_errors"] == 0
         assert stats(host.mountpoint)["sessions_reaped"] == 0  # nobody was declared dead
     assert_pool_counters_exact(first)
+
+
+def stored_from_the_loop(mount: KvfsMount, directory: str) -> bool:
+    """Make `directory` on `mount` and store a file in it: whether the file's create
+    committed from the request loop (one that met the pool's room check, once a second, or
+    came while the host's cache was off, went to a worker)."""
+    before = stats(mount.mountpoint)["metadata_loop_commits"]
+    (mount.mountpoint / directory).mkdir()
+    (mount.mountpoint / directory / "file").write_bytes(directory.encode())
+    return stats(mount.mountpoint)["metadata_loop_commits"] > before
 
 
 def _read(path: Path) -> bytes | None:

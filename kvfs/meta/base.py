@@ -43,12 +43,14 @@ class MetaBase:
         """Inode numbers or cookies for one change, taken (in the caller's thread, before the
         change, which may run more than once) from a stock that is itself taken from
         `next_ino` in batches: ids are never reused, whatever happens to the changes."""
-        with self._ids_lock:
-            if len(self._ids) < count:
-                end = self.engine.allocate(b"next_ino", ID_BATCH)
+        while True:
+            with self._ids_lock:  # (held for no round trip: the loop may take ids too)
+                if len(self._ids) >= count:
+                    taken, self._ids = self._ids[:count], self._ids[count:]
+                    return taken
+            end = self.engine.allocate(b"next_ino", ID_BATCH)
+            with self._ids_lock:  # (what is left of a batch another thread took goes unused)
                 self._ids = range(end - ID_BATCH, end)
-            taken, self._ids = self._ids[:count], self._ids[count:]
-        return taken
 
     def _get(self, txn: Txn, ino: int) -> Inode:
         raw = txn.get("inode", u64(ino))
