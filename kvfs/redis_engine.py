@@ -849,13 +849,13 @@ class RedisEngine:
                 pubsub.close()
 
     def _deliver(self, message: bytes, changed: Callable[[str, bytes], None]) -> None:
+        if message.startswith(self.id):
+            return  # this host's own kernel and cache saw its changes
         try:
-            sender, records = announced(message)
+            _, records = announced(message)
         except (KeyError, struct.error):
             log.error("an announcement that is not one: %r", message[:64])
             return
-        if sender == self.id:
-            return  # this host's own kernel and cache saw its changes
         self.cache.pushed([(_record_key(family, key), value)  # before the kernel re-asks
                            for family, key, value in records])
         self.on_change()
