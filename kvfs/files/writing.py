@@ -172,17 +172,12 @@ class WritingOps(RetiringOps):
         self._publishing.add(staged.blob_id)
         holder = self.session.hold_committing(staged.blob_id)
         try:
+            # Off the loop unless it is a small read, a link, a metadata change and a rename.
+            inline = staged.finishes_at_once(handle.backing) and not self.meta.engine.shared
             later = staged.hashes_later(handle.backing)
-            if staged.finishes_at_once(handle.backing):
-                # A small read, a link and a rename on the loop; the metadata change there
-                # too where it can be (on Redis: its reads in the record cache).
-                blob = staged.finish(handle.ino, later)
-                inode, old_blob = await self.meta_call.change(self.meta.commit_content,
-                                                              handle.ino, blob, holder)
-                self._publish_committed(staged)
-            else:
-                blob, inode, old_blob = await off_loop(self._finish_and_commit, handle.ino,
-                                                       staged, later, holder)
+            commit = self._finish_and_commit
+            blob, inode, old_blob = (commit(handle.ino, staged, later, holder) if inline else
+                                     await off_loop(commit, handle.ino, staged, later, holder))
         except BaseException as error:
             await self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
@@ -215,13 +210,9 @@ class WritingOps(RetiringOps):
         the commit), commit (with `holder`'s hold) and publish."""
         blob = staged.finish(ino, hash_later)
         inode, old_blob = self.meta.commit_content(ino, blob, holder)
-        self._publish_committed(staged)
-        return blob, inode, old_blob
-
-    @staticmethod
-    def _publish_committed(staged: StagedFile) -> None:
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()
+        return blob, inode, old_blob
 
     def _discard_staged(self, handle: Handle) -> None:
         staged = handle.staged
