@@ -71,7 +71,7 @@ from redis.retry import Retry
 
 from kvfs.engine import RoundTripNeeded, get_through
 from kvfs.records import fail
-from kvfs.redis_loop import LoopConnection, LoopConnectionError
+from kvfs.redis_loop import CONNECT_TIMEOUT, REQUEST_TIMEOUT, LoopConnection, LoopConnectionError
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,6 @@ PAGE = 512
 CHANGE_ATTEMPTS = 64
 BACKOFF_BASE = 0.0005  # seconds before a conflicted change runs again, doubling ...
 BACKOFF_MAX = 0.05  # ... up to this (randomized: hosts that collided spread out)
-CONNECT_TIMEOUT = 1.0
-REQUEST_TIMEOUT = 2.0
 ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
@@ -698,24 +696,26 @@ class RedisEngine:
         view it came from), a conflict."""
         if time.monotonic() < self._down_until:
             raise fail(errno.EIO)
-        pending: list[_Change] = []
+        pending: list[_Change] = []  # (the one change, once `function` has made it)
         self._on_loop.pending = pending
         try:
             with self.from_memory():
                 result = function()
         finally:
             self._on_loop.pending = None
-        for txn in pending:
-            try:
-                await txn.commit_on_loop(self.loop_connection)
-            except redis.WatchError:
-                self.cache.drop(txn.read)
-                self.conflicts += 1
-                raise RoundTripNeeded from None
-            except LoopConnectionError as error:
-                self._went_down(error)
-                raise fail(errno.EIO) from None
-            self.loop_commits += 1
+        if not pending:
+            return result
+        [txn] = pending
+        try:
+            await txn.commit_on_loop(self.loop_connection)
+        except redis.WatchError:
+            self.cache.drop(txn.read)
+            self.conflicts += 1
+            raise RoundTripNeeded from None
+        except LoopConnectionError as error:
+            self._went_down(error)
+            raise fail(errno.EIO) from None
+        self.loop_commits += 1
         if self._down_until:
             self._came_back()
         return result

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 import hiredis
 import trio
 
-CONNECT_TIMEOUT = 1.0
+CONNECT_TIMEOUT = 1.0  # seconds (also the threads' redis-py client's)
 REQUEST_TIMEOUT = 2.0
 
 
