@@ -5,7 +5,11 @@ memory and written here; the committer then moves changes into LMDB in synced gr
 is what makes an answered change survive the daemon's death (its writes sit in the page cache,
 which outlives the process); a change in LMDB needs it no more.
 
-Records, appended to segment files `DIR/changes-<first seq, 16 hex>.log`:
+Records are copied into segment files `DIR/changes-<first seq, 16 hex>.log`, each allocated
+whole (SEGMENT_MAX, fallocate) and mapped shared: an append is a copy into the page cache,
+no system call (a write(2) per change cost 10-14 µs here, a tenth of a create), and a full
+volume fails the segment's allocation, not a page fault. What follows the last record is
+zeros.
 
     header   magic u32, seq u64, payload length u32, xxh3_64 of the payload u64
     payload  entries: family (u8 length + name), key (u16 length + bytes), kind (u8):
@@ -20,6 +24,7 @@ never a record that skips one.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -37,7 +42,8 @@ _KIND = struct.Struct("<B")
 _VALUE = struct.Struct("<I")
 _DELTA = struct.Struct("<q")
 PUT, DELETE, ADD = 0, 1, 2
-SEGMENT_MAX = 16 << 20  # a new segment past this size: applied ones are deleted whole
+SEGMENT_MAX = 16 << 20  # bytes of a segment (more for a larger record): applied ones are
+# deleted whole
 PREFIX = "changes-"
 
 
@@ -99,8 +105,8 @@ def decode(payload: bytes) -> Iterator[tuple[str, bytes, int, bytes | int | None
 class ChangeLog:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._fd: int | None = None
-        self._size = 0
+        self._map: mmap.mmap | None = None  # the segment being written
+        self._size = 0  # bytes of records in it
         self._segments: list[tuple[int, Path]] = []  # (first seq, path), oldest first
 
     def _listed(self) -> list[tuple[int, Path]]:
@@ -123,6 +129,8 @@ class ChangeLog:
             at = 0
             while at + _HEADER.size <= len(data):
                 magic, seq, length, digest = _HEADER.unpack_from(data, at)
+                if magic == 0 and length == 0:
+                    break  # the segment's unused end
                 payload = data[at + _HEADER.size: at + _HEADER.size + length]
                 if (magic != MAGIC or len(payload) != length
                         or xxhash.xxh3_64_intdigest(payload) != digest):
@@ -139,21 +147,20 @@ class ChangeLog:
     def start(self, next_seq: int) -> None:
         """Write from `next_seq` on, into a new segment; earlier segments are replayed and
         applied already (`drop_all` first)."""
-        self._open_segment(next_seq)
+        self._open_segment(next_seq, 0)
 
     def append(self, seq: int, payload: bytes) -> None:
-        if self._fd is None or self._size >= SEGMENT_MAX:
-            self._open_segment(seq)
-        assert self._fd is not None
-        record = _HEADER.pack(MAGIC, seq, len(payload), xxhash.xxh3_64_intdigest(payload))
-        try:
-            written = os.write(self._fd, record + payload)
-            if written != len(record) + len(payload):
-                raise OSError(f"short write to the change log ({written} bytes)")
-        except OSError:
-            self.close()  # the change fails; the next one starts a new segment
-            raise
-        self._size += written
+        length = _HEADER.size + len(payload)
+        if self._map is None or self._size + length > len(self._map):
+            self._open_segment(seq, length)
+        assert self._map is not None
+        at = self._size
+        self._map[at + _HEADER.size: at + length] = payload
+        # The header last: a reader beside this writer (a read-only open) finds a whole
+        # record or one whose checksum fails, never a header over someone else's bytes.
+        self._map[at: at + _HEADER.size] = _HEADER.pack(MAGIC, seq, len(payload),
+                                                        xxhash.xxh3_64_intdigest(payload))
+        self._size += length
 
     def release(self, applied: int) -> None:
         """Delete the segments whose every record is at most `applied` (never the one being
@@ -170,15 +177,26 @@ class ChangeLog:
         self._segments = []
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
-    def _open_segment(self, first_seq: int) -> None:
-        self.close()  # (a segment that failed at its first record is started again)
+    def _open_segment(self, first_seq: int, record: int) -> None:
+        """A new segment for records from `first_seq` on, room for `record` bytes at least:
+        allocated whole first, so that a full volume fails this change (ENOSPC), not a later
+        write into the map (SIGBUS). One that failed is made again at the next change."""
+        self.close()
         path = self.directory / f"{PREFIX}{first_seq:016x}.log"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        self._fd = os.open(path, flags, 0o600)
+        size = max(SEGMENT_MAX, record)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
         self._size = 0
         if not self._segments or self._segments[-1][0] != first_seq:
             self._segments.append((first_seq, path))

@@ -28,7 +28,7 @@ import pytest
 import trio
 from conftest import wait_for
 
-from kvfs.changelog import ChangeLog
+from kvfs.changelog import _HEADER, MAGIC, ChangeLog
 from kvfs.engine import APPLIED_KEY, Engine, LmdbEngine, RoundTripNeeded, Txn
 from kvfs.fsck import recount
 from kvfs.meta import (
@@ -1180,6 +1180,17 @@ def changes_in_log(path: Path) -> int:
     return sum(1 for _ in ChangeLog(path).replay(0))
 
 
+def last_record(segment: bytes) -> tuple[int, int]:
+    """(start, end) of a change log segment's last record (its unused rest is zeros)."""
+    start = at = 0
+    while at + _HEADER.size <= len(segment):
+        magic, _, length, _ = _HEADER.unpack_from(segment, at)
+        if magic != MAGIC:
+            break
+        start, at = at, at + _HEADER.size + length
+    return start, at
+
+
 def lmdb_applied(path: Path) -> int:
     """The last change LMDB itself holds."""
     env = lmdb.open(str(path), readonly=True, max_dbs=32, lock=False)
@@ -1261,8 +1272,11 @@ def test_replay_stops_at_a_torn_record(tmp_path: Path) -> None:
     assert result.returncode == -9, result.stderr
     (segment,) = tmp_path.glob("changes-*.log")
     records = changes_in_log(tmp_path)
-    data = segment.read_bytes()
-    segment.write_bytes(data[: len(data) - 7])  # the last record torn
+    data = bytearray(segment.read_bytes())
+    start, end = last_record(bytes(data))
+    middle = (start + _HEADER.size + end) // 2
+    data[middle:end] = bytes(end - middle)  # the last record torn: its second half not written
+    segment.write_bytes(data)
     assert changes_in_log(tmp_path) == records - 1
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
