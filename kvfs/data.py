@@ -50,6 +50,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100  # linux/fcntl.h
 AT_SYMLINK_FOLLOW = 0x400
 SUMS_AT_CLOSE_MAX = 64 << 10  # kernel-written files up to this size are hashed at their close
+READ_WHOLE_MAX = 64 << 10  # files up to this size are hashed without looking for holes
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
 _HASHERS = ThreadPoolExecutor(4, thread_name_prefix="kvfs-hash")  # blocks hashed at commit
 
@@ -92,7 +93,10 @@ def block_sums(fd: int, size: int, known: dict[int, int] | None = None,
     sums = array("Q", [zero_sum(BLOCK_SIZE)]) * blocks
     if blocks:
         sums[-1] = zero_sum(block_length(size, blocks - 1))
-    unhashed = [block for start, end in data_ranges(fd, size)
+    # A small file is read whole: a hole reads as zeros, whose sum is the hole's, and finding
+    # holes (two lseeks) costs more than reading it.
+    ranges = [(0, size)] if 0 < size <= READ_WHOLE_MAX else data_ranges(fd, size)
+    unhashed = [block for start, end in ranges
                 for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1)
                 if block not in known]
 
@@ -613,9 +617,8 @@ class StagedFile:
 
     def publish(self) -> None:
         if not self.published:
-            self.store.publish(self.blob_id)
+            self.store.publish(self.blob_id)  # (a rename moves the ctime, not what _seen holds)
             self.published = True
-            self._seen = _file_state(self.fd)  # renaming changed its ctime
 
     def close(self) -> None:
         os.close(self.fd)

@@ -423,6 +423,7 @@ class LmdbEngine:
         self._log = ChangeLog(path)
         self._seq = self._applied()
         self._replay(readonly)
+        self._measure_map()
         self._committer: threading.Thread | None = None
         if not readonly:
             self._log.start(self._seq + 1)
@@ -521,21 +522,26 @@ class LmdbEngine:
 
     def has_room(self) -> bool:
         """LMDB copies on write: near a full map even a removal needs fresh pages."""
-        info, page = self.env.info(), self.env.stat()["psize"]
-        headroom = max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
-        limit = info["map_size"] - headroom
         with self._lock:
             pending = sum(layer.size for layer in (self._committing, self._active)
                           if layer is not None) * PENDING_PAGE_FACTOR
-        if pending > headroom:  # more than a layer may bring into a map at its limit
-            return False
+        # (more than a layer may bring into a map at its limit)
+        return pending <= self._headroom and self._map_fits
+
+    def _measure_map(self) -> None:
+        """Whether the map leaves its headroom free: measured where only it can change, after
+        each commit, so that a create reads no statistics."""
+        info, page = self.env.info(), self.env.stat()["psize"]
+        self._headroom = max(MAP_HEADROOM * info["map_size"], MAP_HEADROOM_MIN)
+        limit = info["map_size"] - self._headroom
         if (info["last_pgno"] + 1) * page <= limit:
-            return True
+            self._map_fits = True
+            return
         with self.env.begin() as txn:
             dbs = [None, *self._dbs.values()]
             used = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
                        for s in (txn.stat(db) if db is not None else txn.stat() for db in dbs))
-        return used * page <= limit
+        self._map_fits = used * page <= limit
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until LMDB holds every change answered so far (durable: synced)."""
@@ -595,6 +601,7 @@ class LmdbEngine:
                     if self._stopping:
                         return  # the change log still holds them: the next mount replays it
                     time.sleep(RETRY_SECONDS)
+            self._measure_map()
             with self._moved:
                 self._committing = None
                 self._moved.notify_all()

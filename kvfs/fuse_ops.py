@@ -184,6 +184,16 @@ class KernelNotifier:
     def attributes_changed(self, ino: int) -> None:
         self._invalidate_inode(ino, attr_only=True)
 
+    @staticmethod
+    def open_file_committed(ino: int) -> None:
+        """A commit changed the attributes of a file open on this mount (its FLUSH): sent
+        from the loop itself, no hand-off to the thread (on a store, that thread's wake-up
+        and its turn at the GIL cost more than the notification). Safe there: dropping
+        attributes alone takes only the inode's spinlock, and an open file's inode cannot be
+        in eviction, the one wait of the kernel's lookup of it."""
+        with contextlib.suppress(OSError):  # the kernel does not know the inode: fine
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+
     def _invalidate_inode(self, ino: int, attr_only: bool) -> None:
         with self._queued_lock:
             queued = self._queued_inodes.get(ino)
@@ -607,7 +617,7 @@ class KvfsOperations(pyfuse3.Operations):
             return
         handle = self.files.handle(fh)
         if await self.files.flush(handle):
-            self.notifier.attributes_changed(handle.ino)
+            self.notifier.open_file_committed(handle.ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         if self.control.owns_handle(fh):
