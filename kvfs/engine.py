@@ -525,7 +525,8 @@ class LmdbEngine:
         with self._lock:
             pending = sum(layer.size for layer in (self._committing, self._active)
                           if layer is not None) * PENDING_PAGE_FACTOR
-        # (more than a layer may bring into a map at its limit)
+        # Refused when the layers not yet in LMDB could take more than the headroom, or the
+        # map, as of the last commit, is already into it.
         return pending <= self._headroom and self._map_fits
 
     def _measure_map(self) -> None:
