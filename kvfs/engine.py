@@ -72,6 +72,12 @@ class Txn(Protocol):
 
     def put(self, family: str, key: bytes, value: bytes) -> None: ...
 
+    def insert(self, family: str, key: bytes, value: bytes) -> None:
+        """`put` of a key known to be absent (a name just found missing, a fresh id's): the
+        embedded engine then never deletes it from LMDB when a change of the same commit
+        group removes it again (a store's temporary name)."""
+        ...
+
     def delete(self, family: str, key: bytes) -> bool: ...
 
     def pop(self, family: str, key: bytes) -> bytes | None: ...
@@ -194,9 +200,16 @@ class _Layer:
     families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
     last_seq: int = 0
     size: int = 0  # bytes of the changes' encodings (what they may take in the map)
+    # Keys absent from LMDB and earlier layers when this layer first wrote them (`insert`):
+    # if the layer ends with them removed, LMDB is not asked to delete them.
+    new_keys: set[tuple[str, bytes]] = field(default_factory=set)
 
-    def add(self, seq: int, writes: Writes, size: int = 0) -> None:
+    def add(self, seq: int, writes: Writes, size: int = 0,
+            inserted: set[tuple[str, bytes]] | None = None) -> None:
         self.size += size
+        for family, key in inserted or ():
+            if key not in self.families.get(family, {}):
+                self.new_keys.add((family, key))
         for family, keys in writes.items():
             versions = self.families.setdefault(family, {})
             for key, (value, delta) in keys.items():
@@ -215,6 +228,8 @@ class _Layer:
                     if changed is not KEEP:
                         value, delta = changed, 0
                     delta += added
+                if value is None and not delta and (family, key) in self.new_keys:
+                    continue  # made and removed within the layer: LMDB never had it
                 folded[key] = [value, delta]
         return writes
 
@@ -261,6 +276,7 @@ class _LayeredTxn:
         self._visible = visible
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
+        self.inserted: set[tuple[str, bytes]] = set()  # keys this change `insert`ed
         # Families the layers hold versions of (a family first written after this view
         # began is written at a later seq: invisible here): reads of the others go to LMDB
         # alone, which is what a listing or a lookup of settled names mostly does.
@@ -315,6 +331,10 @@ class _LayeredTxn:
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self._write(family, key)[:] = [bytes(value), 0]
+
+    def insert(self, family: str, key: bytes, value: bytes) -> None:
+        self.put(family, key, value)
+        self.inserted.add((family, bytes(key)))
 
     def delete(self, family: str, key: bytes) -> bool:
         existed = self.get(family, key) is not None
@@ -501,7 +521,7 @@ class LmdbEngine:
                 seq = self._seq + 1
                 payload = encode(writes)
                 self._log.append(seq, payload)
-                self._active.add(seq, writes, len(payload))
+                self._active.add(seq, writes, len(payload), txn.inserted)
                 self._seq = seq
                 if self._committer_idle:
                     self._moved.notify_all()

@@ -61,6 +61,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from itertools import islice
 from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
@@ -101,8 +102,12 @@ _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
+# After a wake-up the watcher lets announcements gather this long before it reads again: a
+# storing host hears its own three per store, and one wake-up each cost ~150 µs of CPU and
+# the GIL taken from the loop (a store's announcements are read in one wake-up instead; the
+# first of a burst is still read at once).
+WATCH_GATHER_SECONDS = 0.005
 CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
-STAMP_BUCKETS = 4096  # a change of a record bumps its bucket's stamp (a power of two)
 # KEYS: the records a change read, then one key per write; ARGV: how many were read, what
 # each held ("" if absent, else "=" + value), then per write: op, key index (0: none), a, b.
 COMMIT_SCRIPT = """
@@ -236,8 +241,9 @@ class RecordCache:
     one makes the change run again (`RedisEngine.change` drops what it read), never go
     wrong. The kernel's lookups and getattrs read from it too (`cached` snapshots).
 
-    How it stays true: every change of a record bumps the stamp of the record's bucket, and
-    a read is kept only if its record's stamp did not move while it was on its way.
+    How it stays true: changes are counted, each record remembers the count at its last
+    change, and a read (or this host's write) is kept only if its record did not change
+    while it was on its way (the count, `changes`, taken before it set out).
     Announcements come in commit order and carry the values written: one sets the record
     when it is absent or was set by an earlier announcement, and drops it otherwise (what
     this host read or wrote itself cannot be ordered against it). Thread-safe: the daemon's
@@ -252,10 +258,13 @@ class RecordCache:
         self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
         self._pushed: set[bytes] = set()  # records whose value came with an announcement
         self._complete: set[bytes] = set()  # record prefixes whose every record is here
-        self._stamps = [0] * STAMP_BUCKETS
+        # record -> `changes` at its last change, oldest first; records forgotten here
+        # (past CACHED_RECORDS) changed at `_forgotten` at the latest.
+        self._changed: dict[bytes, int] = {}
+        self._forgotten = 0
         self._lock = threading.Lock()
         self._on = False
-        self.changes = 0  # of any record (`keep_if_quiet`)
+        self.changes = 0  # of any record: taken before a read or write sets out
 
     @staticmethod
     def cacheable(family: str) -> bool:
@@ -267,65 +276,64 @@ class RecordCache:
             return None  # (`_pop` leaves the complete set before the record goes)
         return found
 
-    def stamps(self, records: Iterable[bytes]) -> list[int]:
-        """To be taken before the records are read (`keep`) or written (`wrote`)."""
-        return [self._stamps[hash(record) % STAMP_BUCKETS] for record in records]
+    def _quiet_since(self, record: bytes, moment: int) -> bool:
+        """(lock held) Whether `record` has not changed since `changes` was `moment`."""
+        return self._changed.get(record, self._forgotten) <= moment
 
-    def keep(self, records: list[bytes], values: list[bytes | None], stamps: list[int]
-             ) -> None:
-        """Keep what was read under `stamps`, unless changed meanwhile."""
+    def _mark_changed(self, records: Iterable[bytes]) -> None:
+        """(lock held) One more change, of these records."""
+        self.changes += 1
+        for record in records:
+            self._changed.pop(record, None)  # (moved to the end: the newest)
+            self._changed[record] = self.changes
+        if len(self._changed) > CACHED_RECORDS:  # forget the oldest tenth
+            for record in list(islice(self._changed, CACHED_RECORDS // 10)):
+                self._forgotten = self._changed.pop(record)
+
+    def keep(self, records: list[bytes], values: list[bytes | None], moment: int) -> None:
+        """Keep what a read that set out when `changes` was `moment` found, except records
+        changed meanwhile (also a record whose key the read only learnt on its way)."""
         if not self._on:
             return
         with self._lock:
-            for record, value, stamp in zip(records, values, stamps, strict=True):
-                if self._stamps[hash(record) % STAMP_BUCKETS] == stamp:
+            for record, value in zip(records, values, strict=True):
+                if self._quiet_since(record, moment):
                     self._set(record, value)
 
-    def keep_if_quiet(self, record: bytes, value: bytes | None, changes: int) -> None:
-        """Keep a record read when `changes` was the count of all changes, if there was no
-        change at all since (for a record whose key was not known before its read)."""
-        if not self._on:
-            return
-        with self._lock:
-            if self.changes == changes:
-                self._set(record, value)
-
-    def wrote(self, written: list[tuple[bytes, bytes | None]], stamps: list[int],
+    def wrote(self, written: list[tuple[bytes, bytes | None]], moment: int,
               emptied: list[bytes]) -> None:
-        """A change of this host's committed these (record, value): reads on their way are
-        stale; the values are kept unless another change of the same bucket came meanwhile.
-        `emptied`: record prefixes it made that no record had (a new directory's)."""
+        """A change of this host's, which set out when `changes` was `moment`, committed
+        these (record, value): reads on their way are stale; each value is kept unless its
+        record changed meanwhile. `emptied`: record prefixes it made that no record had (a
+        new directory's)."""
         with self._lock:
             if self._on:
                 self._complete.update(emptied)
-            for (record, value), stamp in zip(written, stamps, strict=True):
-                bucket = hash(record) % STAMP_BUCKETS
-                if self._on and self._stamps[bucket] == stamp:
+            for record, value in written:
+                if self._on and self._quiet_since(record, moment):
                     self._set(record, value)
                 else:
                     self._pop(record)
-                self._stamps[bucket] += 1
-            self.changes += 1
+            self._mark_changed(record for record, _ in written)
 
     def pushed(self, written: list[tuple[bytes, bytes | None]]) -> None:
         """Another host committed these (record, value), announced in commit order."""
         with self._lock:
             for record, value in written:
-                self._stamps[hash(record) % STAMP_BUCKETS] += 1
                 if self._on and (record in self._pushed or record not in self._records):
                     self._set(record, value)
                     self._pushed.add(record)
                 else:
                     self._pop(record)
-            self.changes += 1
+            self._mark_changed(record for record, _ in written)
 
     def drop(self, records: Iterable[bytes]) -> None:
         """A change of this host's found these stale."""
         with self._lock:
-            for record in records:
-                self._stamps[hash(record) % STAMP_BUCKETS] += 1
+            dropped = list(records)
+            for record in dropped:
                 self._pop(record)
-            self.changes += 1
+            self._mark_changed(dropped)
 
     def enable(self, on: bool) -> None:
         """On once announcements reach this host, off when they may not: either way what
@@ -334,8 +342,9 @@ class RecordCache:
             self._complete.clear()
             self._records.clear()
             self._pushed.clear()
-            self._stamps = [stamp + 1 for stamp in self._stamps]
+            self._changed.clear()
             self.changes += 1
+            self._forgotten = self.changes  # (every read on its way is stale)
             self._on = on
 
     def _set(self, record: bytes, value: bytes | None) -> None:
@@ -398,7 +407,7 @@ class _Reader:
     def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
-    delete = pop = clear = add = discard = known_empty = put
+    delete = pop = clear = add = discard = known_empty = insert = put
 
 
 class _Change:
@@ -452,6 +461,8 @@ class _Change:
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)
+
+    insert = put  # (a commit script writes what it writes)
 
     def delete(self, family: str, key: bytes) -> bool:
         return self.pop(family, key) is not None
@@ -555,17 +566,17 @@ class _Change:
         return bool(applied)
 
     def commit(self) -> None:
-        written, stamps = self._cached_writes()
+        written, moment = self._cached_writes()
         try:
             applied = self._run_script(with_writes=True)
         except BaseException:
             self._outcome_unknown(written)
             raise
-        self._committed(applied, written, stamps)
+        self._committed(applied, written, moment)
 
     async def commit_on_loop(self, connection: LoopConnection) -> None:
         """`commit` from the trio loop (for a change that scanned nothing)."""
-        written, stamps = self._cached_writes()
+        written, moment = self._cached_writes()
         keys, args = self._script_call(with_writes=True)
         try:
             with trio.CancelScope(shield=True):  # once sent, a commit is seen through
@@ -574,24 +585,25 @@ class _Change:
         except BaseException:
             self._outcome_unknown(written)
             raise
-        self._committed(bool(applied), written, stamps)
+        self._committed(bool(applied), written, moment)
 
-    def _cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], list[int]]:
-        """What the commit writes of the cached families, and their stamps before it."""
+    def _cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
+        """What the commit writes of the cached families, and the cache's count of changes
+        before it."""
         cache = self.engine.cache
         written = [(_record_key(family, key), value)
                    for (family, key), value in self.writes.items() if cache.cacheable(family)]
-        return written, cache.stamps(record for record, _ in written)
+        return written, cache.changes
 
     def _outcome_unknown(self, written: list[tuple[bytes, bytes | None]]) -> None:
         self.engine.cache.drop(record for record, _ in written)  # applied or not: not known
         self.engine.on_change()
 
     def _committed(self, applied: bool, written: list[tuple[bytes, bytes | None]],
-                   stamps: list[int]) -> None:
+                   moment: int) -> None:
         if not applied:
             raise redis.WatchError("a record this change read has changed")
-        self.engine.cache.wrote(written, stamps, self.emptied)
+        self.engine.cache.wrote(written, moment, self.emptied)
         self.engine.on_change()
 
     def still_valid(self) -> bool:
@@ -747,9 +759,9 @@ class RedisEngine:
                    if value is _Cached.MISS]
         if not missing:
             return cast("list[bytes | None]", found)
-        stamps = self.cache.stamps(missing)
+        moment = self.cache.changes
         fetched = self._fetch(missing)
-        self.cache.keep(missing, fetched, stamps)
+        self.cache.keep(missing, fetched, moment)
         by_record = dict(zip(missing, fetched, strict=True))
         return [by_record[record] if value is _Cached.MISS else value
                 for record, value in zip(records, found, strict=True)]
@@ -783,13 +795,13 @@ class RedisEngine:
                 return None, None
             return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))])[0]
         prefix = _record_key(to_family, b"")
-        [stamp], changes = self.cache.stamps([record]), self.cache.changes
+        moment = self.cache.changes
         fetched, referred = self.call(self.lookup_script, [record], [prefix])
-        self.cache.keep([record], [fetched], [stamp])
+        self.cache.keep([record], [fetched], moment)
         if fetched is None:
             return None, None
-        if self.cache.cacheable(to_family):  # (its key was not known before the read)
-            self.cache.keep_if_quiet(prefix + bytes(fetched[:8]), referred, changes)
+        if self.cache.cacheable(to_family):
+            self.cache.keep([prefix + bytes(fetched[:8])], [referred], moment)
         return fetched, referred
 
     def allocate(self, key: bytes, count: int) -> int:
@@ -831,14 +843,10 @@ class RedisEngine:
                     message = pubsub.get_message(timeout=WATCH_POLL_SECONDS)
                     if message is None:
                         continue
-                    if message["type"] == "subscribe":  # also redis-py's own resubscribe
-                        # Redis answers again: requests no longer fail at once (the cache
-                        # answers lookups from now on, so opens must reach Redis too).
-                        self._came_back()
-                        self.cache.enable(True)
-                        self._subscribed = True
-                    elif message["type"] == "message":
-                        self._deliver(message["data"], changed)
+                    while message is not None:  # (the first at once, then what came since)
+                        self._heard(message, changed)
+                        message = pubsub.get_message(timeout=0)
+                    self._closing.wait(WATCH_GATHER_SECONDS)
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 if self._subscribed:
                     log.warning("other hosts' changes no longer reach this host: %s", error)
@@ -847,6 +855,16 @@ class RedisEngine:
                 self._subscribed = False
                 self.cache.enable(False)
                 pubsub.close()
+
+    def _heard(self, message: dict, changed: Callable[[str, bytes], None]) -> None:
+        if message["type"] == "subscribe":  # also redis-py's own resubscribe
+            # Redis answers again: requests no longer fail at once (the cache answers
+            # lookups from now on, so opens must reach Redis too).
+            self._came_back()
+            self.cache.enable(True)
+            self._subscribed = True
+        elif message["type"] == "message":
+            self._deliver(message["data"], changed)
 
     def _deliver(self, message: bytes, changed: Callable[[str, bytes], None]) -> None:
         if message.startswith(self.id):

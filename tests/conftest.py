@@ -28,6 +28,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 from local_redis import LocalRedis  # noqa: E402
 
 MOUNT_SCRIPT = REPO / "mount_kvfs.py"
+KVFS_CLI = Path(sys.executable).parent / "kvfs"  # the `kvfs` command of this environment
+
+
+def kvfs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KVFS_CLI), *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_mount(mountpoint: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -22,22 +22,17 @@ from conftest import (
     blob_files,
     daemon_pid,
     is_mounted,
+    kvfs_cli,
     pid_alive,
     run_mount,
     wait_dead,
     wait_for,
 )
 
-KVFS = Path(sys.executable).parent / "kvfs"
-
 GiB = 1 << 30
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def kvfs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(KVFS), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(result: subprocess.CompletedProcess, *phrases: str) -> str:

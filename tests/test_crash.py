@@ -26,28 +26,19 @@ from conftest import (
     KvfsMount,
     allocated,
     blob_files,
+    drop_caches,
     is_mounted,
+    kvfs_cli,
     pid_alive,
     run_mount,
     wait_dead,
     wait_for,
 )
 
-KVFS = Path(sys.executable).parent / "kvfs"
 MiB = 1 << 20
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def kvfs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(KVFS), *args], capture_output=True, text=True, timeout=timeout)
-
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def statvfs_used(mountpoint: Path) -> int:

@@ -47,7 +47,7 @@ from kvfs.meta import (
     u64,
 )
 from kvfs.records import BlobInfo, FsError
-from kvfs.redis_engine import RedisEngine
+from kvfs.redis_engine import RecordCache, RedisEngine, _Cached, _record_key
 
 UID, GID = 1000, 1000
 FILE = stat.S_IFREG | 0o644
@@ -1315,3 +1315,71 @@ def test_snapshots_see_one_moment_while_changes_move_into_lmdb(tmp_path: Path) -
             assert txn.count("counters", b"test") == 500
     finally:
         engine.close()
+
+
+def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store's temporary name, made and renamed away before its commit group reaches LMDB,
+    is never written there (nor deleted: LMDB never had it); a name LMDB does hold, removed,
+    made again and removed again in one group, is deleted all the same. After a reopen,
+    which reads LMDB alone, the names are exactly those left."""
+    monkeypatch.setattr("kvfs.engine.COMMIT_GATHER_SECONDS", 0.5)  # one group for them all
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
+        meta.engine.sync()
+        meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept", 0)
+        meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
+        meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept again", 0)
+        for number in range(3):  # stores: a temporary name, its content, the rename
+            made = meta.make(ROOT_INO, b"f%d.tmp" % number, stat.S_IFREG | 0o644, 0, 0)
+            meta.commit_content(made.ino, new_blob(meta, made.ino, 4096))
+            meta.rename(ROOT_INO, b"f%d.tmp" % number, ROOT_INO, b"f%d" % number, 0)
+        folded = meta.engine._active.folded()  # the group about to reach LMDB
+        assert not [key for key in folded["dentry"] if key.endswith(b".tmp")]
+        # (each new file's first place in the recency index, moved by its content commit)
+        assert [value for value, _ in folded["recency"].values() if value is None] == []
+        assert folded["dentry"][u64(ROOT_INO) + b"old"][0] is None  # LMDB holds it: deleted
+    finally:
+        meta.close()
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 100)}
+        assert names == {b"kept", b"kept again", b"f0", b"f1", b"f2"}
+        assert meta.lookup(ROOT_INO, b"old") is None
+        assert meta.names(meta.lookup(ROOT_INO, b"f1").ino) == [(ROOT_INO, b"f1")]
+        check_store(meta)
+    finally:
+        meta.close()
+
+
+def test_the_record_cache_keeps_what_changed_only_elsewhere() -> None:
+    """A write or read is dropped from a host's record cache only if its own record changed
+    while it was on its way: not for other records changing meanwhile (16 writers storing
+    in one directory), nor for the change's own other records. A directory this host made
+    thus stays complete, and new names there are found missing without a round trip."""
+    cache = RecordCache()
+    cache.enable(True)
+    directory = _record_key("dentry", u64(7))
+    cache.wrote([], cache.changes, [directory])  # made here: complete
+    names = [_record_key("dentry", u64(7) + b"f%d" % n) for n in range(5000)]
+    written = [(name, u64(100 + n) + u64(n)) for n, name in enumerate(names)]
+    cache.wrote(written, cache.changes, [])  # one change, many records
+    assert all(cache.get(name) == value for name, value in written)
+    assert cache.get(_record_key("dentry", u64(7) + b"never")) is None  # still complete
+
+    mine, other = names[0], names[1]
+    moment = cache.changes  # a change of `mine` on its way ...
+    cache.wrote([(other, b"o" * 16)], cache.changes, [])  # ... another commits
+    cache.wrote([(mine, b"m" * 16)], moment, [])
+    assert cache.get(mine) == b"m" * 16
+
+    read = cache.changes  # a read of `other` on its way while it changes
+    cache.wrote([(other, b"p" * 16)], cache.changes, [])
+    cache.keep([other], [b"o" * 16], read)
+    assert cache.get(other) == b"p" * 16
+
+    moment = cache.changes  # another host changes `mine` before this write lands
+    cache.pushed([(mine, b"x" * 16)])
+    cache.wrote([(mine, b"m" * 16)], moment, [])
+    assert cache.get(mine) is _Cached.MISS  # not known which came last: read again
