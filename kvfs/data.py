@@ -579,10 +579,15 @@ class StagedFile:
         small enough to read back in one small read at the close."""
         return kernel_wrote and self.size > SUMS_AT_CLOSE_MAX
 
-    def finishes_at_once(self, kernel_wrote: bool) -> bool:
-        """Whether `finish` is a few small syscalls: nothing to copy, sync or hash beyond one
-        small read."""
-        return kernel_wrote and not self.has_base() and not self.store.fsync
+    def finishes_quickly(self, kernel_wrote: bool) -> bool:
+        """Whether `finish` is a few small syscalls (nothing to copy or hash beyond one small
+        read), and a sync where the store syncs (`syncs`)."""
+        return kernel_wrote and not self.has_base()
+
+    @property
+    def syncs(self) -> bool:
+        """Whether `finish` flushes the data to the volume (a wait on the disk)."""
+        return self.store.fsync
 
     def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
         """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be

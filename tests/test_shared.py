@@ -230,9 +230,9 @@ def test_other_hosts_changes_reach_a_caching_kernel(shared_pool) -> None:
 
 def test_stores_in_a_directory_this_host_made_commit_from_the_request_loop(shared_pool) -> None:
     """vLLM-tier stores (an O_EXCL temporary name, a write, a close, a rename) into a
-    directory this host made: their creates and renames read only what this host's cache
-    holds, so they commit from the request loop; every host sees them at once, and a
-    removal there commits the same way."""
+    directory this host made: their creates, content commits (at the close) and renames read
+    only what this host's cache holds, so they commit from the request loop; every host sees
+    them at once, and a removal there commits the same way."""
     first, second = shared_pool(2)
     (first.mountpoint / "blocks").mkdir()
     before = stats(first.mountpoint)["metadata_loop_commits"]
@@ -246,9 +246,10 @@ def test_stores_in_a_directory_this_host_made_commit_from_the_request_loop(share
         os.replace(f"{final}.tmp", final)
     (first.mountpoint / "blocks" / "0000000000000000.bin").unlink()
     del contents["0000000000000000.bin"]
-    # Each store's create and rename and the removal, but those that came when the pool's
-    # room was due for its check (once a second) or the id stock for a refill: a worker's.
-    assert stats(first.mountpoint)["metadata_loop_commits"] - before >= 18
+    # Each store's create, close and rename and the removal (31), but those that came when
+    # the pool's room was due for its check (once a second) or the id stock for a refill: a
+    # worker's.
+    assert stats(first.mountpoint)["metadata_loop_commits"] - before >= 27
     assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
     for name, content in contents.items():
         assert (second.mountpoint / "blocks" / name).read_bytes() == content

@@ -1,6 +1,7 @@
 """Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
-off the loop, and publishes it."""
+from the loop where finishing it is a few small syscalls (else off the loop), and publishes
+it."""
 
 from __future__ import annotations
 
@@ -172,12 +173,13 @@ class WritingOps(RetiringOps):
         self._publishing.add(staged.blob_id)
         holder = self.session.hold_committing(staged.blob_id)
         try:
-            # Off the loop unless it is a small read, a link, a metadata change and a rename.
-            inline = staged.finishes_at_once(handle.backing) and not self.meta.engine.shared
             later = staged.hashes_later(handle.backing)
-            commit = self._finish_and_commit
-            blob, inode, old_blob = (commit(handle.ino, staged, later, holder) if inline else
-                                     await off_loop(commit, handle.ino, staged, later, holder))
+            if staged.finishes_quickly(handle.backing):
+                blob, inode, old_blob = await self._commit_from_loop(handle.ino, staged, later,
+                                                                     holder)
+            else:  # copying or hashing the content: all of it off the loop
+                blob, inode, old_blob = await off_loop(self._finish_and_commit, handle.ino,
+                                                       staged, later, holder)
         except BaseException as error:
             await self.session.release(staged.blob_id)
             self._publishing_over(staged.blob_id)
@@ -203,6 +205,20 @@ class WritingOps(RetiringOps):
         self.stats.commits += 1
         self.stats.bytes_committed += blob.size
         return True
+
+    async def _commit_from_loop(self, ino: int, staged: StagedFile, hash_later: bool,
+                                holder: bytes | None) -> tuple[BlobInfo, Inode, int]:
+        """`_finish_and_commit` of a file whose finish is a few small syscalls: only a sync
+        of its data (a shared pool's, or `--fsync`) waits in a worker; the commit goes from
+        the loop (inline on LMDB; on Redis in one round trip of the loop's own connection
+        when the host's record cache has the inode), and the publishing rename too."""
+        blob = (await off_loop(staged.finish, ino, hash_later) if staged.syncs
+                else staged.finish(ino, hash_later))
+        inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
+                                                      holder)
+        with contextlib.suppress(OSError):  # the flush tries again and reports the error
+            staged.publish()
+        return blob, inode, old_blob
 
     def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,
                            holder: bytes | None) -> tuple[BlobInfo, Inode, int]:
