@@ -208,16 +208,20 @@ class WritingOps(RetiringOps):
 
     async def _commit_from_loop(self, ino: int, staged: StagedFile, hash_later: bool,
                                 holder: bytes | None) -> tuple[BlobInfo, Inode, int]:
-        """`_finish_and_commit` of a file whose finish is a few small syscalls: only a sync
-        of its data (a shared pool's, or `--fsync`) waits in a worker; the commit goes from
-        the loop (inline on LMDB; on Redis in one round trip of the loop's own connection
-        when the host's record cache has the inode), and the publishing rename too."""
-        blob = (await off_loop(staged.finish, ino, hash_later) if staged.syncs
-                else staged.finish(ino, hash_later))
+        """`_finish_and_commit` of a file whose finish is a few small syscalls: the commit
+        goes from the loop (inline on LMDB; on Redis in one round trip of the loop's own
+        connection when the host's record cache has the inode). A store that syncs (a shared
+        pool's volume, or `--fsync`) finishes in a worker and leaves the publishing rename to
+        the flush's, in a worker too: there the volume's operations are round trips."""
+        if staged.syncs:
+            blob = await off_loop(staged.finish, ino, hash_later)
+        else:
+            blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
                                                       holder)
-        with contextlib.suppress(OSError):  # the flush tries again and reports the error
-            staged.publish()
+        if not staged.syncs:
+            with contextlib.suppress(OSError):  # the flush tries again and reports the error
+                staged.publish()
         return blob, inode, old_blob
 
     def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,
