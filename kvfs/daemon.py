@@ -210,6 +210,7 @@ class Daemon:
             nursery.start_soon(trio.to_thread.run_sync, self._tune_kernel)
             nursery.start_soon(self.space.run)  # first: the capacity may have shrunk
             nursery.start_soon(self.files.run_reaper)
+            nursery.start_soon(self.files.run_publisher)
             nursery.start_soon(self.files.hasher.run)
             nursery.start_soon(self.files.spares.run)
             nursery.start_soon(self.files.prefetcher.run)
@@ -241,6 +242,7 @@ class Daemon:
         try:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
+            self.files.publish_remaining()
             self.files.reap_remaining()
             if self.shared:
                 self._leave_pool()

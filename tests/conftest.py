@@ -100,6 +100,23 @@ def blob_files(data: Path) -> list[Path]:
     return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
 
 
+@contextlib.contextmanager
+def blob_shards_broken(data: Path) -> Iterator[None]:
+    """Every shard of blobs/ that holds no data file yet replaced by a file: publishing a
+    blob into one fails with ENOTDIR. Restored on exit."""
+    in_use = {blob.parent for blob in blob_files(data)}
+    broken = [shard for shard in sorted((data / "blobs").iterdir()) if shard not in in_use]
+    for shard in broken:
+        shard.rmdir()
+        shard.write_bytes(b"")
+    try:
+        yield
+    finally:
+        for shard in broken:
+            shard.unlink()
+            shard.mkdir()
+
+
 def blob_bytes_on_disk(data: Path) -> int:
     """What the published data files take on the volume; a file deleted between the listing
     and its stat (a reaper at work) counts nothing."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, assert_counters_exact, blob_files, stats
+from conftest import KvfsMount, assert_counters_exact, blob_files, blob_shards_broken, stats
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -206,12 +206,7 @@ def test_failed_publish_keeps_the_committed_blob(kvfs: KvfsMount) -> None:
     mount's recovery publishes it."""
     root = kvfs.mountpoint
     (root / "bystander").write_bytes(b"b" * MiB)
-    in_use = {blob.parent for blob in blob_files(kvfs.data)}
-    broken = [shard for shard in sorted((kvfs.data / "blobs").iterdir()) if shard not in in_use]
-    for shard in broken:  # publishing into them fails with ENOTDIR
-        shard.rmdir()
-        shard.write_bytes(b"")
-    try:
+    with blob_shards_broken(kvfs.data):
         payload = os.urandom(3 * MiB)
         fd = os.open(root / "new", os.O_WRONLY | os.O_CREAT, 0o644)
         os.write(fd, payload)
@@ -221,10 +216,6 @@ def test_failed_publish_keeps_the_committed_blob(kvfs: KvfsMount) -> None:
         assert (root / "bystander").read_bytes() == b"b" * MiB
         assert_counters_exact(root, kvfs.data)
         assert stats(root)["volume_errors"] >= 2
-    finally:
-        for shard in broken:
-            shard.unlink()
-            shard.mkdir()
     kvfs.remount()  # recovery publishes it
     assert (root / "new").read_bytes() == payload
     assert list((kvfs.data / "staging").iterdir()) == []

@@ -25,7 +25,15 @@ from pathlib import Path
 import lmdb
 import pyfuse3
 import pytest
-from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, stats, wait_for
+from conftest import (
+    KvfsMount,
+    assert_counters_exact,
+    blob_files,
+    blob_shards_broken,
+    drop_caches,
+    stats,
+    wait_for,
+)
 from test_crash import fsck_clean
 from test_passthrough import errno_of, read_all
 
@@ -189,6 +197,54 @@ def test_writes_after_a_flush_are_committed_anew(roomy: KvfsMount) -> None:
     assert (root / "f").read_bytes() == expected
     assert stats(root)["commits"] == 2
     verified_after_remount(roomy, {"f": expected})
+
+
+def test_a_syncing_close_leaves_the_publishing_to_the_background(make_mount) -> None:
+    """With --fsync (as on a shared pool, where a rename on the volume is a round trip) a
+    kernel-written file's close commits it and leaves the move into blobs/ to a background
+    publisher: readers find the blob in staging/ meanwhile, writes after a flush still
+    become a new version, and a publishing that fails fails no close (counted, logged), while
+    the release or the next mount's recovery publishes it."""
+    kvfs = make_mount("--capacity", "8G", "--fsync")
+    root = kvfs.mountpoint
+    (root / "probe").write_bytes(b"p")
+    if stats(root)["data_path"] != "passthrough":
+        pytest.skip("the kernel did not grant FUSE passthrough")
+    expected = {"probe": b"p"}
+    for index in range(32):  # vLLM's tier: temporary name, one write, close, rename
+        payload = os.urandom(4096)
+        fd = os.open(root / f"b{index}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, payload)
+        os.close(fd)
+        os.replace(root / f"b{index}.tmp", root / f"b{index}")
+        assert (root / f"b{index}").read_bytes() == payload
+        expected[f"b{index}"] = payload
+    fd = os.open(root / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"1" * MiB)
+        os.close(os.dup(fd))  # committed; its publishing may still be under way
+        os.pwrite(fd, b"2" * 100, 5)
+    finally:
+        os.close(fd)
+    expected["f"] = b"1" * 5 + b"2" * 100 + b"1" * (MiB - 105)
+    assert (root / "f").read_bytes() == expected["f"]
+    assert wait_for(lambda: not list((kvfs.data / "staging").iterdir()))
+    assert len(blob_files(kvfs.data)) == len(expected)
+    with blob_shards_broken(kvfs.data):
+        for index in range(8):
+            (root / f"late{index}").write_bytes(f"late {index}".encode())  # closes succeed
+            expected[f"late{index}"] = f"late {index}".encode()
+        assert wait_for(lambda: stats(root)["volume_errors"] >= 1)
+        for name, payload in expected.items():
+            assert (root / name).read_bytes() == payload, name
+        assert_counters_exact(root, kvfs.data)
+    kvfs.remount()  # recovery publishes what the publisher could not
+    assert not list((kvfs.data / "staging").iterdir())
+    for name, payload in expected.items():
+        assert (root / name).read_bytes() == payload, name
+    assert stats(root)["handler_errors"] == 0
+    kvfs.unmount()
+    fsck_clean(kvfs)
 
 
 def read_in_another_process(path: Path) -> tuple[bytes, float, float]:

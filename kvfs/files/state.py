@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import stat
 from collections import Counter
@@ -201,6 +202,10 @@ class FileState:
         # meanwhile: deleted only once their publishing is over.
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
+        # Blobs a close committed on a syncing store (a shared volume, where a rename is a
+        # round trip; or --fsync), queued for the publisher, each with what it sets when done.
+        self._published_later: dict[int, trio.Event] = {}
+        self._to_publish, self._publish_queue = trio.open_memory_channel[StagedFile](math.inf)
         self._reap_wanted = trio.Event()
         self._reaping = trio.Lock()  # held while a worker deletes doomed blobs' data files
 

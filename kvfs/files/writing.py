@@ -1,7 +1,7 @@
 """Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
 from the loop where finishing it is a few small syscalls (else off the loop), and publishes
-it."""
+it: at once, or on a syncing store through the publisher, which no close waits for."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import errno
 import logging
 import os
 from collections.abc import Callable
+
+import trio
 
 from kvfs.data import (
     StagedFile,
@@ -103,6 +105,7 @@ class WritingOps(RetiringOps):
         if staged.committed:
             if not (fresh or staged.kernel_wrote()):
                 return staged
+            await self._published_by_publisher(staged)  # a second name from where it lies
             handle.staged = StagedFile.again(staged, await self._new_blob_id())
             self._discard_staged_file(staged)
             self.space.stage(handle.staged.physical)
@@ -157,9 +160,10 @@ class WritingOps(RetiringOps):
                 return False
             if not staged.committed and not await self._commit(handle, staged):
                 return False
-            if not staged.published:  # failed right after the commit: try again, or say why
-                await off_loop(staged.publish)
-            self._publishing_over(staged.blob_id)
+            if staged.blob_id not in self._published_later:
+                if not staged.published:  # failed right after the commit: try again, say why
+                    await off_loop(staged.publish)
+                self._publishing_over(staged.blob_id)
             self.verifier.written(staged.blob_id, staged.fd)
             staged.flushed()
             if not handle.backing:
@@ -212,17 +216,54 @@ class WritingOps(RetiringOps):
         goes from the loop (inline on LMDB; on Redis in one round trip of the loop's own
         connection when the host's record cache has the inode). A store that syncs (a shared
         pool's volume, or `--fsync`) finishes in a worker and leaves the publishing rename to
-        the flush's, in a worker too: there the volume's operations are round trips."""
+        the publisher: there the volume's operations are round trips, and readers find the
+        blob in staging/ until it is published."""
         if staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
                                                       holder)
-        if not staged.syncs:
+        if staged.syncs:
+            self._published_later[staged.blob_id] = trio.Event()
+            self._to_publish.send_nowait(staged)
+        else:
             with contextlib.suppress(OSError):  # the flush tries again and reports the error
                 staged.publish()
         return blob, inode, old_blob
+
+    async def run_publisher(self) -> None:
+        """Background: publish the blobs that closes left to it (`_commit_from_loop`), all
+        those queued meanwhile in one worker call. A failure is logged and counted: the blob
+        stays readable in staging/, and the handle's release or the next mount's recovery
+        publishes it."""
+        async for staged in self._publish_queue:
+            batch = [staged]
+            with contextlib.suppress(trio.WouldBlock):
+                while True:
+                    batch.append(self._publish_queue.receive_nowait())
+            for blob_id, error in await off_loop(_publish_all, batch):
+                self.stats.volume_errors += 1
+                log.error("publishing blob %016x failed: %s", blob_id, error)
+            for staged in batch:
+                self._publishing_over(staged.blob_id)
+                self._published_later.pop(staged.blob_id).set()
+
+    def publish_remaining(self) -> None:
+        """At unmount: publish what the publisher had not taken yet (what it had, it finished:
+        a worker call is never abandoned)."""
+        remaining = []
+        with contextlib.suppress(trio.WouldBlock):
+            while True:
+                remaining.append(self._publish_queue.receive_nowait())
+        for blob_id, error in _publish_all(remaining):
+            log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
+
+    async def _published_by_publisher(self, staged: StagedFile) -> None:
+        """Return once the publisher is done with `staged` (at once if it never had it)."""
+        queued = self._published_later.get(staged.blob_id)
+        if queued is not None:
+            await queued.wait()
 
     def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,
                            holder: bytes | None) -> tuple[BlobInfo, Inode, int]:
@@ -242,12 +283,24 @@ class WritingOps(RetiringOps):
 
     def _discard_staged_file(self, staged: StagedFile) -> None:
         if staged.committed:
-            try:
-                staged.publish()
-            except OSError as error:  # readers find it in staging/; recovery publishes it
-                self.stats.volume_errors += 1
-                log.error("publishing blob %016x failed: %s", staged.blob_id, error)
-            self._publishing_over(staged.blob_id)
+            if staged.blob_id not in self._published_later:  # (else the publisher's to do)
+                try:
+                    staged.publish()
+                except OSError as error:  # readers find it in staging/; recovery publishes it
+                    self.stats.volume_errors += 1
+                    log.error("publishing blob %016x failed: %s", staged.blob_id, error)
+                self._publishing_over(staged.blob_id)
         else:
             self.space.unstage(staged.physical)
         staged.discard()
+
+
+def _publish_all(batch: list[StagedFile]) -> list[tuple[int, OSError]]:
+    """Publish each staged blob (in a worker); the failures, by blob id."""
+    failed = []
+    for staged in batch:
+        try:
+            staged.publish()
+        except OSError as error:
+            failed.append((staged.blob_id, error))
+    return failed
