@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
                                               [--redis] [--io-uring] [--cpu-latency US]
+                                              [--fresh-ext4 SIZE]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
@@ -12,14 +13,16 @@ reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its 
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
 --io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`); with
 --cpu-latency, each kvfs mount has a twin that keeps the CPUs quick to wake while requests
-flow (`--cpu-latency US`). Needs
-root (mounting). The mounts, Redis and the work directory (default bench-work/ in the
-repository) are removed at the end.
+flow (`--cpu-latency US`); with --fresh-ext4, everything runs on a new ext4 file system
+with its journal, in an image of SIZE in the work directory (stable figures from run to
+run). Needs root (mounting). The mounts, Redis, the image and the work directory (default
+bench-work/ in the repository) are removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -29,7 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench_io import REPO, KvfsMount
+import humanfriendly
+from bench_io import REPO, KvfsMount, fresh_ext4
 from local_redis import LocalRedis
 from rich.console import Console
 from rich.table import Table
@@ -82,10 +86,27 @@ def main() -> int:
                              "fuse.enable_uring must be on)")
     parser.add_argument("--cpu-latency", metavar="US",
                         help="also measure each kvfs mount with --cpu-latency US")
+    parser.add_argument("--fresh-ext4", metavar="SIZE", type=image_size,
+                        help="run on a new ext4 file system with a journal, in an image of "
+                             "SIZE (e.g. 8G) made in --workdir and removed at the end")
     args = parser.parse_args()
-    console = Console(highlight=False)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="creates-", dir=args.workdir))
+    with contextlib.ExitStack() as stack:
+        workdir = (args.workdir if args.fresh_ext4 is None
+                   else stack.enter_context(fresh_ext4(args.workdir, args.fresh_ext4)))
+        return measure(args, Path(tempfile.mkdtemp(prefix="creates-", dir=workdir)))
+
+
+def image_size(text: str) -> int:
+    try:
+        return humanfriendly.parse_size(text, binary=True)
+    except humanfriendly.InvalidSize as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def measure(args: argparse.Namespace, work: Path) -> int:
+    """Store files in each variant; prints the table."""
+    console = Console(highlight=False)
     redis = LocalRedis(work / "redis") if args.redis else None
     variants = {"kvfs": []}
     if args.io_uring:
