@@ -242,9 +242,13 @@ class WritingOps(RetiringOps):
             with contextlib.suppress(trio.WouldBlock):
                 while True:
                     batch.append(self._publish_queue.receive_nowait())
-            for blob_id, error in await off_loop(_publish_all, batch):
-                self.stats.volume_errors += 1
-                log.error("publishing blob %016x failed: %s", blob_id, error)
+            try:
+                for blob_id, error in await off_loop(_publish_all, batch):
+                    self.stats.volume_errors += 1
+                    log.error("publishing blob %016x failed: %s", blob_id, error)
+            except Exception:  # (a bug: the publisher goes on, the mount stays up)
+                self.stats.background_errors += 1
+                log.exception("publishing %d blobs failed; recovery publishes them", len(batch))
             for staged in batch:
                 self._publishing_over(staged.blob_id)
                 self._published_later.pop(staged.blob_id).set()
