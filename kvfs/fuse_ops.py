@@ -300,6 +300,9 @@ class KvfsOperations(pyfuse3.Operations):
         # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
         # asks (--io-uring on): lookups and getattrs answered on the caller's CPU.
         self.enable_io_uring = IO_URING and io_uring
+        # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop
+        # goes on to the next request while the kernel wakes the last one's caller
+        self.reply_thread = not self.enable_io_uring
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
@@ -329,6 +332,8 @@ class KvfsOperations(pyfuse3.Operations):
         if self.enable_io_uring and pyfuse3.io_uring_requested_at_init():  # type: ignore[attr-defined]
             log.info("requests: FUSE over io_uring asked for (lookups and getattrs on the "
                      "caller's CPU; .kvfs/stats answered_on_caller_cpu counts them)")
+        elif getattr(pyfuse3, "replies_from_thread", lambda: False)():
+            log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:
             log.info("requests: /dev/fuse")
         if self.passthrough.available():

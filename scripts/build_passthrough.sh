@@ -39,9 +39,13 @@ fi
 # 2. libfuse into the private prefix (Debian's patches, in series order).
 LIBDIR="$PREFIX/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)"
 LIBFUSE_PATCH="$REPO/scripts/libfuse-uring-submit.patch"  # kvfs's fix, see the patch
-LIBFUSE_PATCHED="$WORK/libfuse-patched.sha256"
+# custom I/O: pyfuse3's reply thread hooks libfuse's writes to the session's own /dev/fuse fd
+MESON_OPTIONS=(-Dexamples=false -Dutils=false -Dtests=false -Dinitscriptdir=
+               "-Dudevrulesdir=$PREFIX/udev" -Duseroot=false -Denable-custom-io=true)
+LIBFUSE_PATCHED="$WORK/libfuse-patched.sha256"  # the patch and options libfuse was built with
+LIBFUSE_BUILD="$( (cat "$LIBFUSE_PATCH"; echo "${MESON_OPTIONS[*]}") | sha256sum)"
 if [[ ! -e "$LIBDIR/libfuse3.so.$FUSE_VERSION" ||
-        "$(cat "$LIBFUSE_PATCHED" 2>/dev/null)" != "$(sha256sum <"$LIBFUSE_PATCH")" ]]; then
+        "$(cat "$LIBFUSE_PATCHED" 2>/dev/null)" != "$LIBFUSE_BUILD" ]]; then
     rm -rf "fuse-$FUSE_VERSION" debian
     tar xzf "fuse3_${FUSE_VERSION}.orig.tar.gz"
     tar xJf "fuse3_${FUSE_DEBIAN}.debian.tar.xz"
@@ -54,10 +58,9 @@ if [[ ! -e "$LIBDIR/libfuse3.so.$FUSE_VERSION" ||
     "$PY" -m pip install -q meson ninja
     export PATH="$REPO/.venv/bin:$PATH"
     meson setup "fuse-$FUSE_VERSION/build" "fuse-$FUSE_VERSION" --prefix="$PREFIX" \
-        --libdir="$LIBDIR" -Dexamples=false -Dutils=false -Dtests=false -Dinitscriptdir= \
-        -Dudevrulesdir="$PREFIX/udev" -Duseroot=false >meson.log 2>&1
+        --libdir="$LIBDIR" "${MESON_OPTIONS[@]}" >meson.log 2>&1
     ninja -C "fuse-$FUSE_VERSION/build" install >ninja.log 2>&1
-    sha256sum <"$LIBFUSE_PATCH" >"$LIBFUSE_PATCHED"
+    echo "$LIBFUSE_BUILD" >"$LIBFUSE_PATCHED"
 fi
 
 # 3. pyfuse3 with the passthrough patch, against that libfuse (rpath: no system change).
