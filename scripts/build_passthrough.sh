@@ -2,7 +2,8 @@
 # FUSE passthrough and FUSE over io_uring for kvfs: build libfuse 3.18 (Debian sid's source
 # package, checksums pinned below; io_uring where liburing-dev and libnuma-dev are installed)
 # into .venv/libfuse and install pyfuse3 3.5.0 with kvfs's patch
-# (scripts/pyfuse3-passthrough.patch: passthrough, io_uring queues, /dev/fuse polling),
+# (scripts/pyfuse3-passthrough.patch: passthrough, io_uring queues, /dev/fuse polling, a
+# reply thread),
 # linked against it, into .venv. The system's libfuse and apt sources are left alone.
 # Idempotent; exits non-zero on any failure (setup.sh then installs stock pyfuse3 and kvfs
 # serves every byte itself, over /dev/fuse).
