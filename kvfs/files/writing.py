@@ -238,10 +238,7 @@ class WritingOps(RetiringOps):
         stays readable in staging/, and the handle's release or the next mount's recovery
         publishes it."""
         async for staged in self._publish_queue:
-            batch = [staged]
-            with contextlib.suppress(trio.WouldBlock):
-                while True:
-                    batch.append(self._publish_queue.receive_nowait())
+            batch = [staged, *self._queued_for_publisher()]
             try:
                 for blob_id, error in await off_loop(_publish_all, batch):
                     self.stats.volume_errors += 1
@@ -256,12 +253,16 @@ class WritingOps(RetiringOps):
     def publish_remaining(self) -> None:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
         a worker call is never abandoned)."""
-        remaining = []
+        for blob_id, error in _publish_all(self._queued_for_publisher()):
+            log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
+
+    def _queued_for_publisher(self) -> list[StagedFile]:
+        """Take every blob queued for the publisher right now."""
+        queued = []
         with contextlib.suppress(trio.WouldBlock):
             while True:
-                remaining.append(self._publish_queue.receive_nowait())
-        for blob_id, error in _publish_all(remaining):
-            log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
+                queued.append(self._publish_queue.receive_nowait())
+        return queued
 
     async def _published_by_publisher(self, staged: StagedFile) -> None:
         """Return once the publisher is done with `staged` (at once if it never had it)."""
