@@ -4,35 +4,36 @@ round trip costs no hand-off to a worker thread and back (two thread wake-ups, ~
 Redis store's ~1 ms per change on a small VM, against ~0.13 ms for the round trip itself).
 
 redis-py's clients are for threads (`redis.Redis`) or asyncio (`redis.asyncio`), not trio;
-this sends the protocol's command arrays itself and parses replies with hiredis, the C
-parser redis-py uses too. Requests are one at a time (a trio lock): a commit is one short
-script, and a loop that serves one request at a time cannot send them faster.
+this sends the protocol's command arrays itself (packed by hiredis, the C parser redis-py
+uses too, which also parses the replies). The socket is used directly, non-blocking: a
+request is one send() and, once the reply is due, one wait for the socket to be readable,
+so a round trip costs the loop one scheduler pass. (Through trio's streams, a lock and a
+checkpoint in each send and receive, a store's commit took 358 µs at the median where its
+round trip took 194; now 272 µs.)
+
+Requests share the connection without waiting for each other (pipelining): each is sent at
+once, and Redis answers in the order it received them, so the replies are read in that
+order, each by the task that sent its request.
 """
 
 from __future__ import annotations
 
-import os
+import socket
 from urllib.parse import unquote, urlparse
 
 import hiredis
 import trio
 
+from kvfs.offloop import QuickLock
+
 CONNECT_TIMEOUT = 1.0  # seconds (also the threads' redis-py client's)
 REQUEST_TIMEOUT = 2.0
+RECEIVE_BYTES = 65536
 
 
 class LoopConnectionError(Exception):
     """Redis could not be reached or did not answer in time: whether a request sent was
     applied is not known."""
-
-
-def command(*args: bytes | str | int) -> bytes:
-    """A command as the protocol's array of bulk strings."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        raw = arg if isinstance(arg, bytes) else str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-    return b"".join(parts)
 
 
 class LoopConnection:
@@ -46,9 +47,8 @@ class LoopConnection:
         self.db = int(parsed.path.lstrip("/") or 0)
         self.username = unquote(parsed.username) if parsed.username else None
         self.password = unquote(parsed.password) if parsed.password else None
-        self._stream: trio.SocketStream | None = None
-        self._reader = hiredis.Reader()
-        self._lock = trio.Lock()
+        self._pipe: _Pipe | None = None
+        self._connecting = trio.Lock()
 
     async def script(self, sha: str, source: str, keys: list[bytes],
                      args: list[bytes | int]) -> object:
@@ -62,63 +62,130 @@ class LoopConnection:
 
     async def request(self, *args: bytes | str | int) -> object:
         """One command's reply (an error reply is returned, not raised)."""
-        async with self._lock:
-            try:
-                with trio.fail_after(CONNECT_TIMEOUT + REQUEST_TIMEOUT):
-                    return await self._exchange(command(*args))
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError,
-                    LoopConnectionError) as error:
-                await self._close()
-                raise LoopConnectionError(f"{self.host}:{self.port}: {error!r}") from None
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT + REQUEST_TIMEOUT):
+                return await self._exchange(_packed(args))
+        except (OSError, trio.TooSlowError, LoopConnectionError) as error:
+            raise LoopConnectionError(f"{self.host}:{self.port}: {error!r}") from None
 
     def close(self) -> None:
-        """Close the connection from any thread (the engine closing, after the loop)."""
-        if self._stream is not None:
-            os.close(self._stream.socket.detach())  # (trio's close needs a running loop)
-            self._stream = None
+        """Close the connection (from any thread: the engine closing, after the loop)."""
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            pipe.sock.close()
 
     async def _exchange(self, request: bytes) -> object:
-        reused = self._stream is not None
-        stream = await self._connected()
+        reused = self._pipe is not None
+        pipe = await self._connected()
         try:
-            await stream.send_all(request)
-            return await self._reply(stream)
-        except (OSError, trio.BrokenResourceError, LoopConnectionError):
+            return await pipe.send_and_receive(request)
+        except (OSError, LoopConnectionError):
+            self._drop(pipe)
             if not reused:
                 raise
+        except BaseException:  # (a timeout, mid-request: what the connection holds is unknown)
+            self._drop(pipe)
+            raise
         # A connection kept since an earlier request was closed by the server (a restart):
         # nothing of this request came back; send it once more on a new connection. (Had the
         # server run a commit before closing, its checks refuse the second copy.)
-        await self._close()
-        stream = await self._connected()
-        await stream.send_all(request)
-        return await self._reply(stream)
+        pipe = await self._connected()
+        try:
+            return await pipe.send_and_receive(request)
+        except BaseException:
+            self._drop(pipe)
+            raise
 
-    async def _connected(self) -> trio.SocketStream:
-        if self._stream is None:
-            stream = await trio.open_tcp_stream(self.host, self.port)
-            self._stream, self._reader = stream, hiredis.Reader()
-            hello = []
-            if self.password is not None:
-                hello.append(command(b"AUTH", *filter(None, [self.username, self.password])))
-            if self.db:
-                hello.append(command(b"SELECT", self.db))
-            for request in hello:
-                await stream.send_all(request)
-                reply = await self._reply(stream)
-                if isinstance(reply, hiredis.ReplyError):
-                    raise LoopConnectionError(str(reply))
-        return self._stream
+    def _drop(self, pipe: _Pipe) -> None:
+        """A connection failed: closed, and the requests waiting on it find out."""
+        if self._pipe is pipe:
+            self._pipe = None
+        pipe.close()
 
-    async def _reply(self, stream: trio.SocketStream) -> object:
+    async def _connected(self) -> _Pipe:
+        if self._pipe is not None:  # (no lock: taking one is a scheduler pass)
+            return self._pipe
+        async with self._connecting:
+            if self._pipe is None:
+                stream = await trio.open_tcp_stream(self.host, self.port)  # (TCP_NODELAY)
+                pipe = _Pipe(socket.socket(fileno=stream.socket.detach()))
+                try:
+                    for hello in self._hello():
+                        reply = await pipe.send_and_receive(hello)
+                        if isinstance(reply, hiredis.ReplyError):
+                            raise LoopConnectionError(str(reply))
+                except BaseException:
+                    pipe.close()
+                    raise
+                self._pipe = pipe
+            return self._pipe
+
+    def _hello(self) -> list[bytes]:
+        hello = []
+        if self.password is not None:
+            hello.append(_packed((b"AUTH", *filter(None, [self.username, self.password]))))
+        if self.db:
+            hello.append(_packed((b"SELECT", self.db)))
+        return hello
+
+
+class _Pipe:
+    """One connection: requests go out whole, one after another, and their replies are read
+    in the same order, each by the task that sent its request (request n, counted from 0,
+    reads once n replies have been read; the others park)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._reader = hiredis.Reader()
+        self._sending = QuickLock()  # (a large request goes out in several sends)
+        self._sent = 0
+        self._answered = 0
+        self._turns = trio.lowlevel.ParkingLot()
+        self._broken = False
+
+    async def send_and_receive(self, request: bytes) -> object:
+        async with self._sending:
+            turn = self._sent
+            self._sent += 1
+            await _send_all(self.sock, request)
+        while self._answered != turn:
+            if self._broken:
+                raise LoopConnectionError("the connection broke before the reply")
+            await self._turns.park()
+        try:
+            return await self._receive()
+        finally:
+            self._answered += 1
+            self._turns.unpark_all()
+
+    async def _receive(self) -> object:
         while (reply := self._reader.gets()) is False:
-            data = await stream.receive_some(65536)
+            try:
+                data = self.sock.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
             if not data:
                 raise LoopConnectionError("connection closed by the server")
             self._reader.feed(data)
         return reply
 
-    async def _close(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await trio.aclose_forcefully(stream)
+    def close(self) -> None:
+        self._broken = True
+        self.sock.close()
+        self._turns.unpark_all()
+
+
+def _packed(args: tuple[bytes | str | int, ...]) -> bytes:
+    """A command as the protocol's array of bulk strings."""
+    return hiredis.pack_command(args)  # type: ignore[arg-type]  # (its stub: a 1-tuple)
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
