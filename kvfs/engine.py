@@ -192,6 +192,21 @@ Pending = list
 Writes = dict[str, dict[bytes, Pending]]
 
 
+class KeyTracker(Protocol):
+    """Told what each change of the embedded engine does to one family's keys
+    (`LmdbEngine.track`), in the thread that made the change, under the engine's lock."""
+
+    def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
+        """`keys` are about to exist, and no key starts with any of the 8-byte `emptied`
+        prefixes (`Txn.known_empty`): called before the change is visible, so that a
+        listener never lags behind a read."""
+        ...
+
+    def removed(self, keys: list[bytes]) -> None:
+        """`keys` no longer exist: called once the change is visible."""
+        ...
+
+
 @dataclass
 class _Layer:
     """Changes not yet in LMDB: per family and key, the versions (seq, value, delta), oldest
@@ -277,6 +292,7 @@ class _LayeredTxn:
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
         self.inserted: set[tuple[str, bytes]] = set()  # keys this change `insert`ed
+        self.emptied: list[tuple[str, bytes]] = []  # prefixes it says no key has (`known_empty`)
         # Families the layers hold versions of (a family first written after this view
         # began is written at a later seq: invisible here): reads of the others go to LMDB
         # alone, which is what a listing or a lookup of settled names mostly does.
@@ -291,6 +307,12 @@ class _LayeredTxn:
                 if own[0] is not KEEP:
                     return own[0], own[1]
                 delta = own[1]
+        value, layered = self._layered_value(family, key)
+        return value, delta + layered
+
+    def _layered_value(self, family: str, key: bytes) -> tuple[Value, int]:
+        """(value, delta) that the layers alone add to LMDB's record."""
+        delta = 0
         for layer in self._layers:
             versions = layer.families.get(family, {}).get(key)
             for seq, value, added in reversed(versions or ()):
@@ -300,6 +322,24 @@ class _LayeredTxn:
                 if value is not KEEP:
                     return value, delta
         return KEEP, delta
+
+    def keys_changed(self, family: str) -> tuple[list[bytes], list[bytes]]:
+        """(keys of `family` this change makes exist, keys it removes): its writes against
+        what the view held before them."""
+        made: list[bytes] = []
+        removed: list[bytes] = []
+        for key, (value, _) in (self.writes or {}).get(family, {}).items():
+            if value is KEEP:
+                continue
+            before, delta = self._layered_value(family, key)
+            if isinstance(before, Keep):
+                before = self._txn.get(key, db=self._dbs[family])
+            existed = _layered_on(before, KEEP, delta) is not None
+            if value is None and existed:
+                removed.append(key)
+            elif value is not None and not existed:
+                made.append(key)
+        return made, removed
 
     def _resolve(self, family: str, key: bytes, stored: bytes | None) -> bytes | None:
         return _layered_on(stored, *self._pending(family, key))
@@ -350,7 +390,7 @@ class _LayeredTxn:
         self._write(family, key)[:] = [None, 0]
 
     def known_empty(self, family: str, prefix: bytes) -> None:
-        pass  # LMDB answers misses without a round trip
+        self.emptied.append((family, prefix))  # (for a KeyTracker: LMDB needs no hint)
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """LMDB's keys merged with the pending ones, in key order."""
@@ -440,6 +480,7 @@ class LmdbEngine:
         self._committer_idle = False  # waiting for changes: the next one wakes it
         self.commit_failures = 0
         self.on_change: Callable[[], None] = lambda: None
+        self._trackers: dict[str, KeyTracker] = {}
         self._log = ChangeLog(path)
         self._seq = self._applied()
         self._replay(readonly)
@@ -515,9 +556,14 @@ class LmdbEngine:
             txn, lmdb_txn = self._view(writes)
             try:
                 result = change(txn)
+                tracked = [(tracker, *txn.keys_changed(family),
+                            [prefix for emptied, prefix in txn.emptied if emptied == family])
+                           for family, tracker in self._trackers.items() if family in writes]
             finally:
                 lmdb_txn.abort()
             if writes:
+                for tracker, made, _, emptied in tracked:
+                    tracker.adding(made, emptied)
                 seq = self._seq + 1
                 payload = encode(writes)
                 self._log.append(seq, payload)
@@ -526,7 +572,15 @@ class LmdbEngine:
                 if self._committer_idle:
                     self._moved.notify_all()
                 self.on_change()
+                for tracker, _, removed, _ in tracked:
+                    tracker.removed(removed)
         return result
+
+    def track(self, family: str, tracker: KeyTracker) -> None:
+        """Tell `tracker` which keys of `family` each change from now on makes and removes
+        (the names a directory gains and loses, for kvfs/missing_names.py)."""
+        with self._lock:
+            self._trackers[family] = tracker
 
     def allocate(self, key: bytes, count: int) -> int:
         def change(txn: Txn) -> int:

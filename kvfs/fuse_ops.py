@@ -30,6 +30,7 @@ from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
+from kvfs.missing_names import MissingNames
 from kvfs.offloop import MetaCalls, off_loop
 from kvfs.passthrough import Passthrough
 from kvfs.records import FsError, fail
@@ -317,6 +318,10 @@ class KvfsOperations(pyfuse3.Operations):
         listings_changed = getattr(pyfuse3, "listings_changed", None)
         if listings_changed is not None:
             meta.engine.on_change = listings_changed
+        # one host: lookups of names missing from directories made while mounted are
+        # answered by the patched pyfuse3 itself (kvfs/missing_names.py)
+        self.answers_missing_names = MissingNames(ONE_HOST_CACHING.negative,
+                                                  NAME_MAX).start(meta.engine)
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
 
@@ -336,6 +341,9 @@ class KvfsOperations(pyfuse3.Operations):
             log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:
             log.info("requests: /dev/fuse")
+        if self.answers_missing_names:
+            log.info("lookups: misses in directories made since the mount answered before "
+                     "the loop")
         if self.passthrough.available():
             log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:

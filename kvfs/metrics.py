@@ -26,6 +26,7 @@ COUNTERS = {
     "answered_on_caller_cpu": "Lookups and getattrs answered on the caller's CPU (io_uring)",
     "foreign_xattrs_refused": "Getxattrs outside user.* answered before the request loop",
     "listing_ends_answered": "Readdirs at a listing's end answered before the request loop",
+    "missing_names_answered": "Lookups of missing names answered before the request loop",
     "bytes_opened": "Bytes of committed files opened for reading (passthrough or not)",
     "bytes_committed": "Bytes of content writers committed",
     "bytes_read": "Bytes the daemon served to readers (not passthrough)",

@@ -66,12 +66,18 @@ def test_lookups_and_getattrs_are_answered_on_the_callers_cpu(uring: KvfsMount) 
     paths = [root / "a", root / "a/b", root / "a/b/one", root / "a/two", root / "a/missing"]
     expected = [(os.stat(p).st_ino, os.stat(p).st_mode, os.stat(p).st_size)
                 for p in paths[:-1]] + [errno.ENOENT]
+    def off_the_loop() -> int:
+        # (a/missing: a miss in a directory made since the mount, which the patched pyfuse3
+        # answers itself, here on the queue thread too)
+        counters = stats(root)
+        return counters["answered_on_caller_cpu"] + counters["missing_names_answered"]
+
     for cpu in sorted(os.sched_getaffinity(0)):
         drop_caches()  # the kernel asks again
-        before = stats(root)["answered_on_caller_cpu"]
+        before = off_the_loop()
         assert stat_on(cpu, paths) == expected
         # Each stat looks up at least its last name; none went to the loop.
-        assert stats(root)["answered_on_caller_cpu"] - before >= len(paths)
+        assert off_the_loop() - before >= len(paths)
 
 
 def test_every_request_works_over_io_uring_as_on_a_plain_directory(uring: KvfsMount,

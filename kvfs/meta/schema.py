@@ -101,6 +101,11 @@ def from_u64(raw: bytes) -> int:
     return _U64.unpack(raw[:8])[0]
 
 
+def dentry_parts(key: bytes) -> tuple[int, bytes]:
+    """(parent ino, name) of a `dentry` key."""
+    return from_u64(key), bytes(key[8:])
+
+
 def mode_of(raw: bytes) -> int:
     """The mode of a packed inode record."""
     return _MODE.unpack_from(raw)[0]
