@@ -12,7 +12,9 @@ change of the `dentry` family (`LmdbEngine.track`): names are added before the c
 makes them is visible and removed after, so the patch's table never lacks a name a read could
 find. Directories that existed before the mount go to the operations as before.
 
-Not on a shared pool: there other hosts add names.
+Not on a shared pool: there other hosts add names. The table is bounded (NAMES_MAX names,
+12 bytes per slot, at most half the slots used: 48 MiB at most): past that the patch stops
+answering and every miss goes to the loop again, as before (logged once).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from kvfs.engine import LmdbEngine
 from kvfs.meta.schema import dentry_parts, from_u64
 
 log = logging.getLogger(__name__)
+
+NAMES_MAX = 2_000_000  # names of directories made since the mount the patch keeps at most
 
 
 class MissingNames:
@@ -39,15 +43,18 @@ class MissingNames:
         """Answer misses before the loop from now on, where the engine and pyfuse3 can."""
         if not isinstance(engine, LmdbEngine) or not hasattr(pyfuse3, "answer_missing_names"):
             return False
-        pyfuse3.answer_missing_names(self.negative_timeout, self.name_max)
+        pyfuse3.answer_missing_names(self.negative_timeout, self.name_max, NAMES_MAX)
         engine.track("dentry", self)
         return True
 
     def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
-        for prefix in emptied:  # (a directory just made)
-            pyfuse3.complete_directory(from_u64(prefix))  # type: ignore[attr-defined]
-        for key in keys:
-            pyfuse3.name_added(*dentry_parts(key))  # type: ignore[attr-defined]
+        kept = all([pyfuse3.complete_directory(from_u64(prefix))  # type: ignore[attr-defined]
+                    for prefix in emptied])  # (directories just made)
+        kept &= all([pyfuse3.name_added(*dentry_parts(key))  # type: ignore[attr-defined]
+                     for key in keys])
+        if not kept:
+            log.warning("more than %d names in directories made since the mount: lookups "
+                        "of missing names go to the request loop from now on", NAMES_MAX)
 
     def removed(self, keys: list[bytes]) -> None:
         for key in keys:

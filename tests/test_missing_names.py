@@ -10,6 +10,7 @@ import errno
 import os
 from pathlib import Path
 
+import pyfuse3
 from conftest import KvfsMount, assert_counters_exact, stats
 
 AT_FDCWD = -100
@@ -143,3 +144,15 @@ def test_misses_count_with_the_daemons_own(kvfs: KvfsMount) -> None:
         assert error.errno == errno.EEXIST
     else:
         raise AssertionError("O_EXCL of an existing name succeeded")
+
+
+def test_the_table_of_names_is_bounded() -> None:
+    """The patch keeps at most the names it was given room for; past that it stops
+    answering (once, and says so) and every LOOKUP goes to the operations again."""
+    pyfuse3.answer_missing_names(1.0, 255, 1000)
+    try:
+        assert pyfuse3.complete_directory(2)
+        kept = [pyfuse3.name_added(2, b"name-%d" % n) for n in range(5000)]
+        assert all(kept[:1000]) and kept.count(False) == 1
+    finally:
+        pyfuse3.stop_answering_missing_names()
