@@ -29,7 +29,7 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
-from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
+from kvfs.meta import NAME_MAX, ROOT_INO, Inode, MetaStore, Removed
 from kvfs.missing_names import MissingNames
 from kvfs.offloop import MetaCalls, off_loop
 from kvfs.passthrough import Passthrough
@@ -318,12 +318,14 @@ class KvfsOperations(pyfuse3.Operations):
         listings_changed = getattr(pyfuse3, "listings_changed", None)
         if listings_changed is not None:
             meta.engine.on_change = listings_changed
-        # one host: lookups of names missing from directories made while mounted are
-        # answered by the patched pyfuse3 itself (kvfs/missing_names.py)
-        self.answers_missing_names = MissingNames(ONE_HOST_CACHING.negative,
-                                                  NAME_MAX).start(meta.engine)
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
+        # one host: lookups of names missing from complete directories (made since the
+        # mount, or small) are answered by the patched pyfuse3 itself (kvfs/missing_names.py)
+        self.missing_names = MissingNames(
+            meta, ONE_HOST_CACHING.negative, NAME_MAX,
+            never_complete=lambda ino: ino == ROOT_INO or self.control.owns(ino))
+        self.missing_names.start()
 
     @property
     def caching(self) -> KernelCaching:
@@ -341,7 +343,7 @@ class KvfsOperations(pyfuse3.Operations):
             log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:
             log.info("requests: /dev/fuse")
-        if self.answers_missing_names:
+        if self.missing_names.answering:
             log.info("lookups: misses in directories made since the mount answered before "
                      "the loop")
         if self.passthrough.available():
@@ -380,6 +382,8 @@ class KvfsOperations(pyfuse3.Operations):
         started = time.monotonic()
         inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name,
                                                 cached=True)
+        if inode is None:
+            self.missing_names.missed_in(parent_inode)
         racing = self.notifier.changed_since(parent_inode, name, started)
         return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
 

@@ -10,7 +10,12 @@ name there itself, a cacheable miss, without a Python task (`.kvfs/stats`
 `missing_names_answered`, also counted in `lookup_misses`). The embedded engine reports each
 change of the `dentry` family (`LmdbEngine.track`): names are added before the change that
 makes them is visible and removed after, so the patch's table never lacks a name a read could
-find. Directories that existed before the mount go to the operations as before.
+find. A directory older than the mount becomes complete at the first miss Python answers in
+it, if it holds at most SMALL_DIRECTORY entries (vLLM's leaf directories do; LMCache's flat
+directory of a million chunks does not): its names are read then and reported. That is safe
+on the loop alone: every change that adds a name runs there, inline (the embedded engine's
+changes are not awaited), so none can fall between the listing and the marking. The root
+(which also holds the virtual `.kvfs`) and the control directory never become complete.
 
 Not on a shared pool: there other hosts add names. The table is bounded (NAMES_MAX names,
 12 bytes per slot, at most half the slots used: 48 MiB at most): past that the patch stops
@@ -20,41 +25,70 @@ answering and every miss goes to the loop again, as before (logged once).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pyfuse3
 
 from kvfs.engine import LmdbEngine
+from kvfs.meta import MetaStore
 from kvfs.meta.schema import dentry_parts, from_u64
 
 log = logging.getLogger(__name__)
 
-NAMES_MAX = 2_000_000  # names of directories made since the mount the patch keeps at most
+NAMES_MAX = 2_000_000  # names of complete directories the patch keeps at most
+SMALL_DIRECTORY = 64  # entries of a directory older than the mount that may become complete
+LARGE_DIRECTORIES_KEPT = 65_536  # directories found larger, remembered (then all forgotten)
 
 
 class MissingNames:
     """The patch's table of known names, kept by the embedded engine's `dentry` changes (a
     `KeyTracker`). (The patch's functions are not in pyfuse3's type stub.)"""
 
-    def __init__(self, negative_timeout: float, name_max: int) -> None:
+    def __init__(self, meta: MetaStore, negative_timeout: float, name_max: int,
+                 never_complete: Callable[[int], bool]) -> None:
+        self.meta = meta
         self.negative_timeout = negative_timeout
         self.name_max = name_max  # (longer names: the operations' ENAMETOOLONG)
+        self.never_complete = never_complete  # directories with names the engine lacks
+        self.answering = False
+        self._large: set[int] = set()
 
-    def start(self, engine: object) -> bool:
+    def start(self) -> bool:
         """Answer misses before the loop from now on, where the engine and pyfuse3 can."""
+        engine = self.meta.engine
         if not isinstance(engine, LmdbEngine) or not hasattr(pyfuse3, "answer_missing_names"):
             return False
         pyfuse3.answer_missing_names(self.negative_timeout, self.name_max, NAMES_MAX)
         engine.track("dentry", self)
+        self.answering = True
         return True
 
     def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
         kept = all([pyfuse3.complete_directory(from_u64(prefix))  # type: ignore[attr-defined]
                     for prefix in emptied])  # (directories just made)
-        kept &= all([pyfuse3.name_added(*dentry_parts(key))  # type: ignore[attr-defined]
-                     for key in keys])
-        if not kept:
-            log.warning("more than %d names in directories made since the mount: lookups "
-                        "of missing names go to the request loop from now on", NAMES_MAX)
+        self._kept(kept and all([pyfuse3.name_added(*dentry_parts(key))  # type: ignore[attr-defined]
+                                 for key in keys]))
+
+    def missed_in(self, parent: int) -> None:
+        """The loop answered a miss in `parent` (a directory older than the mount): make it
+        complete if it is small. On the loop only (see the module's docstring)."""
+        if not self.answering or parent in self._large or self.never_complete(parent):
+            return
+        entries = self.meta.readdir_types_page(parent, 0, SMALL_DIRECTORY + 1)
+        if len(entries) > SMALL_DIRECTORY:
+            if len(self._large) >= LARGE_DIRECTORIES_KEPT:
+                self._large.clear()
+            self._large.add(parent)
+            return
+        self._kept(pyfuse3.complete_directory(parent)  # type: ignore[attr-defined]
+                   and all([pyfuse3.name_added(parent, name)  # type: ignore[attr-defined]
+                            for name, _, _, _ in entries]))
+
+    def _kept(self, kept: bool) -> None:
+        if not kept and self.answering:
+            self.answering = False
+            log.warning("more than %d names in complete directories: lookups of missing "
+                        "names go to the request loop from now on", NAMES_MAX)
 
     def removed(self, keys: list[bytes]) -> None:
         for key in keys:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pyfuse3
 from conftest import KvfsMount, assert_counters_exact, stats
 
+from kvfs.missing_names import SMALL_DIRECTORY
+
 AT_FDCWD = -100
 RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -110,13 +112,13 @@ def test_misses_in_a_directory_made_since_the_mount_never_hide_a_name(kvfs: Kvfs
     check(inner, {"a"}, set())
     assert not missing(made / "older" / "linked")
 
-    # After a remount no directory is complete: the operations answer every miss, the same.
-    early = answered_early(root)
-    assert early > len(fresh)
+    # After a remount a directory becomes complete at the first miss the operations answer
+    # there (these are small): the rest are answered early, the same.
+    assert answered_early(root) > len(fresh)
     kvfs.remount()
     check(made, expected, gone)
     check(inner, {"a"}, set())
-    assert answered_early(root) == 0
+    assert answered_early(root) == len(gone) + len(expected) - 1
     counted = stats(root)
     assert counted["lookup_misses"] >= len(gone) + len(expected)
     assert_counters_exact(root, kvfs.data)
@@ -126,7 +128,9 @@ def test_misses_count_with_the_daemons_own(kvfs: KvfsMount) -> None:
     """`lookup_misses` counts every miss that reached the daemon, those the patch answered
     (`missing_names_answered`) with those the operations did."""
     root = kvfs.mountpoint
-    (root / "old").mkdir()
+    (root / "old").mkdir()  # (too large to become complete: the operations answer there)
+    for n in range(SMALL_DIRECTORY + 1):
+        (root / "old" / f"file-{n}").touch()
     kvfs.remount()
     (root / "new").mkdir()
     start = stats(root)
@@ -156,3 +160,29 @@ def test_the_table_of_names_is_bounded() -> None:
         assert all(kept[:1000]) and kept.count(False) == 1
     finally:
         pyfuse3.stop_answering_missing_names()
+
+
+def test_a_small_directory_older_than_the_mount_becomes_complete_at_its_first_miss(
+        kvfs: KvfsMount) -> None:
+    root = kvfs.mountpoint
+    small, large = root / "small", root / "large"
+    small.mkdir()
+    large.mkdir()
+    for n in range(3):
+        (small / f"s-{n}").write_bytes(b"s")
+    for n in range(SMALL_DIRECTORY + 1):
+        (large / f"l-{n}").touch()
+    kvfs.remount()
+    assert missing(small / "first") and answered_early(root) == 0  # (the operations, once)
+    assert all(missing(small / f"next-{n}") for n in range(10))
+    assert answered_early(root) == 10
+    assert all(missing(large / f"x-{n}") for n in range(10))  # (too large: the operations)
+    assert all(missing(root / f"y-{n}") for n in range(3))  # (the root: never complete)
+    assert answered_early(root) == 10
+    check(small, {"s-0", "s-1", "s-2"}, {"first"})
+    (small / "late").write_bytes(b"l")
+    os.rename(small / "s-0", small / "s-zero")
+    os.rename(large / "l-0", small / "from-large")
+    check(small, {"s-zero", "s-1", "s-2", "late", "from-large"}, {"s-0", "first"})
+    assert (root / ".kvfs" / "stats").exists()
+    assert_counters_exact(root, kvfs.data)
