@@ -344,8 +344,8 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             log.info("requests: /dev/fuse")
         if self.missing_names.answering:
-            log.info("lookups: misses in directories made since the mount answered before "
-                     "the loop")
+            log.info("lookups: misses in complete directories (made since the mount, or "
+                     "small) answered before the loop")
         if self.passthrough.available():
             log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:

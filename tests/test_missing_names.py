@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pyfuse3
-from conftest import KvfsMount, assert_counters_exact, stats
+from conftest import KvfsMount, assert_counters_exact, drop_caches, stats
 
 from kvfs.missing_names import SMALL_DIRECTORY
 
@@ -25,11 +25,6 @@ def renameat2(source: Path, target: Path, flags: int) -> None:
                        flags) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error), str(source))
-
-
-def forget_names() -> None:
-    """Drop the kernel's dentries: the next lookup of every name reaches the daemon."""
-    Path("/proc/sys/vm/drop_caches").write_text("2\n")
 
 
 def missing(path: Path) -> bool:
@@ -47,9 +42,9 @@ def answered_early(root: Path) -> int:
 def check(directory: Path, expected: set[str], gone: set[str]) -> None:
     """Every expected name is found and listed, every gone one is missing, as is a fresh one
     per name: with the kernel's dentries dropped first, each lookup reaches the daemon."""
-    forget_names()
+    drop_caches()  # (the kernel's dentries too: each lookup reaches the daemon)
     assert set(os.listdir(directory)) == expected
-    forget_names()
+    drop_caches()
     for name in sorted(expected):
         assert not missing(directory / name), f"{name} exists but a lookup says it is missing"
     for name in sorted(gone) + [f"never-{n}" for n in range(len(expected))]:
