@@ -10,8 +10,9 @@ caller's thread, against what LMDB holds plus the changes not yet in it (`_Layer
 its writes go to the change log (kvfs/changelog.py, one `write`, no sync) and into the newest
 layer, and the caller returns: the change is visible to every later read and survives the
 daemon's death. The committer thread moves the layers into LMDB, one synced transaction per
-layer (group commit: everything answered during one sync goes into the next), and the log
-segments LMDB now holds are deleted. A power loss undoes at most the changes answered since
+layer (group commit: everything answered during one sync goes into the next), run by the LMDB
+writer process (kvfs/lmdb_writer.py, off this process's GIL), and the log segments LMDB now
+holds are deleted. A power loss undoes at most the changes answered since
 the last of those syncs (milliseconds) and never breaks the database; `sync()` waits for them.
 
 Reads see one moment: a snapshot takes, under the engine's lock, an LMDB read transaction and
@@ -25,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import lmdb
 
 from kvfs.changelog import ADD, DELETE, KEEP, PUT, ChangeLog, Keep, Value, decode, encode
+from kvfs.lmdb_writer import LmdbWriter, WriterError, hold_writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +74,6 @@ class Txn(Protocol):
         ...
 
     def put(self, family: str, key: bytes, value: bytes) -> None: ...
-
-    def insert(self, family: str, key: bytes, value: bytes) -> None:
-        """`put` of a key known to be absent (a name just found missing, a fresh id's): the
-        embedded engine then never deletes it from LMDB when a change of the same commit
-        group removes it again (a store's temporary name)."""
-        ...
 
     def delete(self, family: str, key: bytes) -> bool: ...
 
@@ -215,16 +212,12 @@ class _Layer:
     families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
     last_seq: int = 0
     size: int = 0  # bytes of the changes' encodings (what they may take in the map)
-    # Keys absent from LMDB and earlier layers when this layer first wrote them (`insert`):
-    # if the layer ends with them removed, LMDB is not asked to delete them.
-    new_keys: set[tuple[str, bytes]] = field(default_factory=set)
+    payloads: list[bytes] = field(default_factory=list)  # the changes' encodings, in order
 
-    def add(self, seq: int, writes: Writes, size: int = 0,
-            inserted: set[tuple[str, bytes]] | None = None) -> None:
-        self.size += size
-        for family, key in inserted or ():
-            if key not in self.families.get(family, {}):
-                self.new_keys.add((family, key))
+    def add(self, seq: int, writes: Writes, payload: bytes = b"") -> None:
+        self.size += len(payload)
+        if payload:
+            self.payloads.append(payload)
         for family, keys in writes.items():
             versions = self.families.setdefault(family, {})
             for key, (value, delta) in keys.items():
@@ -243,10 +236,54 @@ class _Layer:
                     if changed is not KEEP:
                         value, delta = changed, 0
                     delta += added
-                if value is None and not delta and (family, key) in self.new_keys:
-                    continue  # made and removed within the layer: LMDB never had it
                 folded[key] = [value, delta]
         return writes
+
+
+def writes_of(payload: bytes) -> Writes:
+    """A change's writes from its encoding (kvfs/changelog.py)."""
+    writes: Writes = {}
+    for family, key, kind, value in decode(payload):
+        pending = writes.setdefault(family, {}).setdefault(key, [KEEP, 0])
+        if kind == PUT:
+            pending[:] = [value, 0]
+        elif kind == DELETE:
+            pending[:] = [None, 0]
+        elif kind == ADD:
+            assert isinstance(value, int)
+            pending[1] += value
+    return writes
+
+
+def layer_of(payloads: Iterable[bytes], last_seq: int) -> _Layer:
+    """One layer of encoded changes, through `last_seq` (kvfs/lmdb_writer.py)."""
+    layer = _Layer()
+    for payload in payloads:
+        layer.add(last_seq, writes_of(payload))
+    return layer
+
+
+def open_environment(path: Path, families: tuple[str, ...], map_size: int,
+                     readonly: bool = False
+                     ) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
+    """The engine's LMDB environment and its databases, one per family (the daemon and its
+    LMDB writer open it alike)."""
+    # metasync=False: a power loss may undo the last commits but never breaks the database.
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
+                    readahead=False, readonly=readonly, lock=True)
+    try:
+        return env, {family: env.open_db(family.encode(), create=not readonly)
+                     for family in families}
+    except BaseException:
+        env.close()  # else this process could never open the environment again
+        raise
+
+
+def write_layer(env: lmdb.Environment, dbs: dict[str, lmdb._Database], layer: _Layer) -> None:
+    """A layer into LMDB in one synced transaction, with the last seq it holds."""
+    with env.begin(write=True) as txn:
+        _apply(txn, dbs, layer.folded())
+        txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=dbs["settings"])
 
 
 def _apply(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], writes: Writes) -> None:
@@ -291,7 +328,6 @@ class _LayeredTxn:
         self._visible = visible
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
-        self.inserted: set[tuple[str, bytes]] = set()  # keys this change `insert`ed
         self.emptied: list[tuple[str, bytes]] = []  # prefixes it says no key has (`known_empty`)
         # Families the layers hold versions of (a family first written after this view
         # began is written at a later seq: invisible here): reads of the others go to LMDB
@@ -371,10 +407,6 @@ class _LayeredTxn:
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self._write(family, key)[:] = [bytes(value), 0]
-
-    def insert(self, family: str, key: bytes, value: bytes) -> None:
-        self.put(family, key, value)
-        self.inserted.add((family, bytes(key)))
 
     def delete(self, family: str, key: bytes) -> bool:
         existed = self.get(family, key) is not None
@@ -460,18 +492,15 @@ class LmdbEngine:
                  readonly: bool = False) -> None:
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        # metasync=False: a power loss may undo the last commits but never breaks the database.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
-                             readahead=False, readonly=readonly, lock=True)
+        self.env, self._dbs = open_environment(path, families, map_size, readonly)
         try:
-            self._open(path, families, readonly)
+            self._open(path, families, map_size, readonly)
         except BaseException:
             self.env.close()  # else this process could never open the environment again
             raise
 
-    def _open(self, path: Path, families: tuple[str, ...], readonly: bool) -> None:
-        self._dbs = {family: self.env.open_db(family.encode(), create=not readonly)
-                     for family in families}
+    def _open(self, path: Path, families: tuple[str, ...], map_size: int,
+              readonly: bool) -> None:
         self._lock = threading.RLock()
         self._moved = threading.Condition(self._lock)  # a layer reached LMDB, or news for it
         self._active = _Layer()
@@ -482,12 +511,26 @@ class LmdbEngine:
         self.on_change: Callable[[], None] = lambda: None
         self._trackers: dict[str, KeyTracker] = {}
         self._log = ChangeLog(path)
-        self._seq = self._applied()
-        self._replay(readonly)
-        self._measure_map()
         self._committer: threading.Thread | None = None
+        self.writer: LmdbWriter | None = None
+        if readonly:
+            self._seq = self._applied()
+            self._replay(readonly)
+        else:
+            writer_lock = hold_writer_lock(path)  # a killed daemon's writer finishes first
+            try:
+                self._seq = self._applied()
+                self._replay(readonly)
+            finally:
+                os.close(writer_lock)
+        self._measure_map()
         if not readonly:
             self._log.start(self._seq + 1)
+            try:
+                self.writer = LmdbWriter(path, map_size, families)
+            except OSError as error:  # (an interpreter this user may not run again)
+                log.warning("the LMDB writer process cannot start (%s): changes move into "
+                            "LMDB in this process", error)
             self._committer = threading.Thread(target=self._commit_layers, name="kvfs-commit",
                                                daemon=True)
             self._committer.start()
@@ -502,17 +545,7 @@ class LmdbEngine:
         LMDB (or, read-only, into memory)."""
         layer = _Layer()
         for seq, payload in self._log.replay(self._seq):
-            writes: Writes = {}
-            for family, key, kind, value in decode(payload):
-                pending = writes.setdefault(family, {}).setdefault(key, [KEEP, 0])
-                if kind == PUT:
-                    pending[:] = [value, 0]
-                elif kind == DELETE:
-                    pending[:] = [None, 0]
-                elif kind == ADD:
-                    assert isinstance(value, int)
-                    pending[1] += value
-            layer.add(seq, writes)
+            layer.add(seq, writes_of(payload))
             self._seq = seq
         if not layer.families:
             if not readonly:
@@ -522,13 +555,8 @@ class LmdbEngine:
         if readonly:
             self._active = layer
             return
-        self._write_layer(layer)
+        write_layer(self.env, self._dbs, layer)
         self._log.drop_all()
-
-    def _write_layer(self, layer: _Layer) -> None:
-        with self.env.begin(write=True) as txn:
-            _apply(txn, self._dbs, layer.folded())
-            txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=self._dbs["settings"])
 
     def _view(self, writes: Writes | None) -> tuple[_LayeredTxn, lmdb.Transaction[bytes]]:
         """LMDB and the layers it does not hold yet, as of now (the caller holds the lock)."""
@@ -567,7 +595,7 @@ class LmdbEngine:
                 seq = self._seq + 1
                 payload = encode(writes)
                 self._log.append(seq, payload)
-                self._active.add(seq, writes, len(payload), txn.inserted)
+                self._active.add(seq, writes, payload)
                 self._seq = seq
                 if self._committer_idle:
                     self._moved.notify_all()
@@ -646,13 +674,16 @@ class LmdbEngine:
                 self._stopping = True
                 self._moved.notify_all()
             self._committer.join()
+            if self.writer is not None:
+                self.writer.close()
             if self._applied() == self._seq:
                 self._log.drop_all()
             self._log.close()
         self.env.close()
 
     def _commit_layers(self) -> None:
-        """The committer thread: each layer into LMDB, in one synced transaction."""
+        """The committer thread: each layer into LMDB, in one synced transaction of the LMDB
+        writer process (kvfs/lmdb_writer.py), waited for without the GIL."""
         while True:
             with self._moved:
                 while not self._active.families and not self._stopping:
@@ -668,9 +699,13 @@ class LmdbEngine:
                 self._active = _Layer()
             while True:
                 try:
-                    self._write_layer(layer)
+                    if self.writer is None:
+                        write_layer(self.env, self._dbs, layer)
+                    else:
+                        self.writer.write(layer.last_seq, layer.payloads)
                     break
-                except lmdb.Error as error:  # answered already: kept in memory and the log
+                except (WriterError, lmdb.Error) as error:
+                    # (answered already: the layer stays in memory and in the log)
                     self.commit_failures += 1
                     log.error("moving changes into LMDB failed (%s); trying again", error)
                     if self._stopping:

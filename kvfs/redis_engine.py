@@ -407,7 +407,7 @@ class _Reader:
     def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
-    delete = pop = clear = add = discard = known_empty = insert = put
+    delete = pop = clear = add = discard = known_empty = put
 
 
 class _Change:
@@ -461,8 +461,6 @@ class _Change:
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
         self.writes[family, bytes(key)] = bytes(value)
-
-    insert = put  # (a commit script writes what it writes)
 
     def delete(self, family: str, key: bytes) -> bool:
         return self.pop(family, key) is not None

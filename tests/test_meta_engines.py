@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -1220,6 +1222,124 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
     assert list(tmp_path.glob("changes-*.log")) == []  # a clean close leaves no log
 
 
+STOPPED_WRITER = """
+import os, signal, sys, time
+from pathlib import Path
+from kvfs.engine import LmdbEngine
+from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
+engine = LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE)
+for _ in range(250):
+    engine.allocate(b"test", 1)
+engine.sync()
+assert engine.writer is not None
+os.kill(engine.writer.pid, signal.SIGSTOP)
+for _ in range(250):
+    engine.allocate(b"test", 1)
+time.sleep(0.2)  # the committer has sent a group to the stopped writer, and waits
+print(engine.writer.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs (neither gone nor a zombie: its parent may be gone too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_open_waits_for_a_killed_daemons_lmdb_writer(tmp_path: Path) -> None:
+    """A daemon killed while its LMDB writer process holds a group: the next open waits
+    until that writer has applied the group and exited, then replays the rest from the log.
+    Each change lands once: the counter the changes add to is exact (applying a group twice,
+    or the writer's group over the replay, would count some twice)."""
+    result = subprocess.run([sys.executable, "-c", STOPPED_WRITER, str(tmp_path)],
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr
+    writer_pid = int(result.stdout)
+    opened: list[LmdbEngine] = []
+    try:
+        opening = threading.Thread(target=lambda: opened.append(
+            LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE)))
+        opening.start()
+        opening.join(timeout=0.5)
+        assert opening.is_alive() and running(writer_pid)  # the open waits for it
+        os.kill(writer_pid, signal.SIGCONT)
+        opening.join(timeout=30)
+        assert not opening.is_alive() and not running(writer_pid)
+        [engine] = opened
+        with engine.snapshot() as txn:
+            assert txn.count("counters", b"test") == 500
+        assert engine.sync(timeout=30)
+    finally:
+        if running(writer_pid):
+            os.kill(writer_pid, signal.SIGKILL)
+        for engine in opened:
+            engine.close()
+    env = lmdb.open(str(tmp_path), readonly=True, max_dbs=32, lock=False)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(b"test", db=env.open_db(b"counters", txn=txn, create=False))
+        assert raw is not None and int.from_bytes(raw, "big", signed=True) == 500
+    finally:
+        env.close()
+
+
+def test_the_lmdb_writer_process_ending_loses_nothing(tmp_path: Path) -> None:
+    """The LMDB writer process killed while changes stream: the next group starts a new one
+    and every answered change reaches LMDB once (after a reopen, which reads LMDB alone, the
+    names and counters are exactly those of the changes)."""
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        assert meta.engine.writer is not None
+        first = meta.engine.writer.pid
+        assert first != os.getpid()
+        for number in range(400):
+            meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+            if number == 200:
+                os.kill(first, signal.SIGKILL)
+        assert meta.engine.sync(timeout=30)
+        assert meta.engine.writer.pid != first
+    finally:
+        meta.close()
+    assert not running(first)
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
+        assert names == {b"f%d" % n for n in range(400)}
+        assert meta.usage().files == 400
+        check_store(meta)
+    finally:
+        meta.close()
+
+
+def test_without_an_lmdb_writer_process_changes_land_all_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon that may not start an interpreter again (a user who cannot reach it) moves
+    its changes into LMDB itself, in its committer thread."""
+    def refused(self: object) -> None:
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr("kvfs.lmdb_writer.LmdbWriter._start", refused)
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        assert meta.engine.writer is None
+        for number in range(100):
+            meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+        assert meta.engine.sync(timeout=30) and meta.engine.commit_failures == 0
+    finally:
+        meta.close()
+    assert "changes move into LMDB in this process" in caplog.text
+    assert lmdb_applied(tmp_path) > 100
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        assert meta.usage().files == 100
+        check_store(meta)
+    finally:
+        meta.close()
+
+
 BUSY_WRITER = """
 import stat, sys, time
 from pathlib import Path
@@ -1319,15 +1439,16 @@ def test_snapshots_see_one_moment_while_changes_move_into_lmdb(tmp_path: Path) -
 
 def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store's temporary name, made and renamed away before its commit group reaches LMDB,
-    is never written there (nor deleted: LMDB never had it); a name LMDB does hold, removed,
-    made again and removed again in one group, is deleted all the same. After a reopen,
-    which reads LMDB alone, the names are exactly those left."""
+    """Stores' temporary names, made and renamed away before their commit group reaches
+    LMDB, and a name LMDB does hold, removed, made again and removed again in one group: the
+    group goes to the LMDB writer process as one transaction, and after a reopen, which reads
+    LMDB alone, the names are exactly those left."""
     monkeypatch.setattr("kvfs.engine.COMMIT_GATHER_SECONDS", 0.5)  # one group for them all
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
         meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
         meta.engine.sync()
+        applied = meta.engine._applied()  # (what LMDB itself holds)
         meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept", 0)
         meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
         meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept again", 0)
@@ -1335,11 +1456,10 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
             made = meta.make(ROOT_INO, b"f%d.tmp" % number, stat.S_IFREG | 0o644, 0, 0)
             meta.commit_content(made.ino, new_blob(meta, made.ino, 4096))
             meta.rename(ROOT_INO, b"f%d.tmp" % number, ROOT_INO, b"f%d" % number, 0)
-        folded = meta.engine._active.folded()  # the group about to reach LMDB
-        assert not [key for key in folded["dentry"] if key.endswith(b".tmp")]
-        # (each new file's first place in the recency index, moved by its content commit)
-        assert [value for value, _ in folded["recency"].values() if value is None] == []
-        assert folded["dentry"][u64(ROOT_INO) + b"old"][0] is None  # LMDB holds it: deleted
+        group = meta.engine._active  # the group about to reach LMDB, whole
+        assert len(group.payloads) == group.last_seq - applied >= 12  # (and id batches)
+        assert meta.engine.sync()
+        assert meta.engine._applied() == group.last_seq
     finally:
         meta.close()
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))

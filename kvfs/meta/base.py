@@ -62,15 +62,14 @@ class MetaBase:
         txn.put("inode", u64(inode.ino), inode.pack())
 
     def _index_use(self, txn: Txn, inode: Inode, old_atime: int | None,
-                   new_atime: int | None, new: bool = False) -> None:
-        """Keep a file's place in the recency index in step with its atime (`new`: a new
-        inode's, whose key no record has)."""
+                   new_atime: int | None) -> None:
+        """Keep a file's place in the recency index in step with its atime."""
         if inode.is_dir:
             return
         if old_atime is not None:  # (its key follows from the inode read: no read of it)
             txn.discard("recency", u64(old_atime) + u64(inode.ino))
         if new_atime is not None:
-            (txn.insert if new else txn.put)("recency", u64(new_atime) + u64(inode.ino), b"")
+            txn.put("recency", u64(new_atime) + u64(inode.ino), b"")
 
     def _count_model(self, txn: Txn, inode: Inode, name: bytes, files: int,
                      allocated: int) -> None:
@@ -83,15 +82,11 @@ class MetaBase:
         if allocated:
             txn.add("models", model.encode() + MODEL_BYTES, allocated)
 
-    def _link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int,
-              new: bool = False) -> None:
-        """`new`: the name was just found missing (its listing and link records are then
-        missing too: the cookie is fresh, and a link record goes with its entry)."""
+    def _link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int) -> None:
         cookie = u64(cookie_id)
-        put = txn.insert if new else txn.put
-        put("dentry", u64(parent) + name, u64(inode.ino) + cookie)
-        put("dirlist", u64(parent) + cookie, listing_entry(inode.ino, inode.mode, name))
-        put("links", u64(inode.ino) + u64(parent) + name, b"")
+        txn.put("dentry", u64(parent) + name, u64(inode.ino) + cookie)
+        txn.put("dirlist", u64(parent) + cookie, listing_entry(inode.ino, inode.mode, name))
+        txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
 
     def _entries(self, txn: Txn, parent: int, after: int = -1) -> Iterator[tuple[bytes, bytes]]:
         """`dirlist` records of `parent` with a cookie > after, in cookie order."""

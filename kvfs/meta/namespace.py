@@ -179,9 +179,9 @@ class NamespaceOps(MetaBase):
             self._put(txn, inode)
             if target:
                 txn.put("symlink", u64(ino), target)
-            self._index_use(txn, inode, None, now, new=True)
+            self._index_use(txn, inode, None, now)
             self._count_model(txn, inode, name, 1, 0)
-            self._link(txn, parent, name, inode, cookie, new=True)
+            self._link(txn, parent, name, inode, cookie)
             self._put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
                                                  mtime_ns=now, ctime_ns=now))
             if is_dir:
@@ -207,7 +207,7 @@ class NamespaceOps(MetaBase):
             parent_inode = self._dir(txn, new_parent)
             if self._child(txn, new_parent, new_name) is not None:
                 raise fail(errno.EEXIST)
-            self._link(txn, new_parent, new_name, inode, cookie, new=True)
+            self._link(txn, new_parent, new_name, inode, cookie)
             inode = inode._replace(nlink=inode.nlink + 1, ctime_ns=now)
             self._put(txn, inode)
             self._put(txn, parent_inode._replace(mtime_ns=now, ctime_ns=now))
