@@ -286,8 +286,13 @@ def open_environment(path: Path, families: tuple[str, ...], map_size: int,
 
 
 def write_layer(env: lmdb.Environment, dbs: dict[str, lmdb._Database], layer: _Layer) -> None:
-    """A layer into LMDB in one synced transaction, with the last seq it holds."""
+    """A layer into LMDB in one synced transaction, with the last seq it holds; not again
+    if LMDB holds it already (a writer process that ended between its commit and its reply:
+    the layer is sent once more)."""
     with env.begin(write=True) as txn:
+        applied = txn.get(APPLIED_KEY, db=dbs["settings"])
+        if applied is not None and int(applied) >= layer.last_seq:
+            return
         _apply(txn, dbs, layer.folded())
         txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=dbs["settings"])
 

@@ -80,6 +80,7 @@ class LmdbWriter:
         """Have LMDB hold these changes, through `last_seq` (blocking; no GIL while it
         waits). WriterError if it does not: the caller tries again."""
         if self._process.poll() is not None:
+            self._end()
             try:
                 self._process = self._start()
             except OSError as error:
@@ -94,7 +95,7 @@ class LmdbWriter:
             message = _read_exactly(self._process.stdout.fileno(), length)
         except (OSError, EOFError) as error:
             self._process.kill()
-            self._process.wait()
+            self._end()
             raise WriterError(f"the LMDB writer process ended ({error})") from None
         if status != APPLIED:
             raise WriterError(message.decode(errors="replace"))
@@ -107,9 +108,14 @@ class LmdbWriter:
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.wait()
-        if self._process.stdout is not None:
-            self._process.stdout.close()
+        self._end()
+
+    def _end(self) -> None:
+        """Reap the process and close its pipes."""
+        self._process.wait()
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -30,8 +30,17 @@ import pytest
 import trio
 from conftest import wait_for
 
-from kvfs.changelog import _HEADER, MAGIC, ChangeLog
-from kvfs.engine import APPLIED_KEY, Engine, LmdbEngine, RoundTripNeeded, Txn
+from kvfs.changelog import _HEADER, KEEP, MAGIC, ChangeLog, encode
+from kvfs.engine import (
+    APPLIED_KEY,
+    Engine,
+    LmdbEngine,
+    RoundTripNeeded,
+    Txn,
+    layer_of,
+    open_environment,
+    write_layer,
+)
 from kvfs.fsck import recount
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
@@ -1282,6 +1291,22 @@ def test_an_open_waits_for_a_killed_daemons_lmdb_writer(tmp_path: Path) -> None:
         with env.begin() as txn:
             raw = txn.get(b"test", db=env.open_db(b"counters", txn=txn, create=False))
         assert raw is not None and int.from_bytes(raw, "big", signed=True) == 500
+    finally:
+        env.close()
+
+
+def test_a_group_sent_again_is_applied_once(tmp_path: Path) -> None:
+    """A writer process that ends between its commit and its reply gets its group again from
+    the next one: LMDB, which records the last change it holds, applies it once."""
+    env, dbs = open_environment(tmp_path, FAMILIES, DEFAULT_MAP_SIZE)
+    try:
+        group = layer_of([encode({"counters": {b"test": [KEEP, 5]}}),
+                          encode({"counters": {b"test": [KEEP, 2]}})], 7)
+        write_layer(env, dbs, group)
+        write_layer(env, dbs, group)
+        with env.begin() as txn:
+            assert txn.get(b"test", db=dbs["counters"]) == (7).to_bytes(8, "big")
+            assert txn.get(APPLIED_KEY, db=dbs["settings"]) == b"7"
     finally:
         env.close()
 
