@@ -307,6 +307,10 @@ class KvfsOperations(pyfuse3.Operations):
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
+        # lookups and listings of one directory may run at once (the kernel otherwise takes
+        # a mutex of the directory's around each, patched pyfuse3): every handler of them
+        # reads a snapshot, and the kernel still serializes changes of the directory
+        self.enable_parallel_dirops = True
         # kvfs keeps user.* attributes alone (`getxattr` below): the patched pyfuse3 answers
         # ENODATA for every other name itself, without a task on the loop. The kernel asks
         # for security.capability at each new file's first write (one of a store's requests)
@@ -346,6 +350,8 @@ class KvfsOperations(pyfuse3.Operations):
         if self.missing_names.answering:
             log.info("lookups: misses in complete directories (made since the mount, or "
                      "small) answered before the loop")
+        if getattr(pyfuse3, "parallel_dirops_enabled", lambda: False)():
+            log.info("lookups: a directory's lookups and listings run in parallel")
         if self.passthrough.available():
             log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:

@@ -608,3 +608,51 @@ def test_a_renamed_name_is_free_for_a_new_file_at_once(kvfs) -> None:
     (root / "a").write_bytes(b"NEW")
     assert (root / "b").read_bytes() == b"first+more"
     assert (root / "a").read_bytes() == b"NEW"
+
+
+def test_one_directory_looked_up_listed_and_changed_by_many_threads_at_once(kvfs) -> None:
+    """With parallel lookups and listings of a directory (the patched pyfuse3 asks the kernel
+    for them), 16 threads at once stat existing and missing names, list the directory and
+    store files into it (temporary name, rename), dentries dropped between rounds: every
+    stat and every listing agrees with what the directory holds at that moment."""
+    if hasattr(pyfuse3, "parallel_dirops_enabled"):
+        assert "lookups and listings run in parallel" in (kvfs.data / "kvfs.log").read_text()
+    directory = kvfs.mountpoint / "d"
+    directory.mkdir()
+    stable = [f"f{number:04d}" for number in range(1000)]
+    for number, name in enumerate(stable):
+        (directory / name).write_bytes(b"x" * (number % 97))
+
+    def stat_existing(worker: int) -> None:
+        for number in range(worker, len(stable), 8):
+            assert (directory / stable[number]).stat().st_size == number % 97
+
+    def stat_missing(worker: int) -> None:
+        for number in range(worker, 400, 4):
+            assert errno_of(os.stat, directory / f"missing{number}") == errno.ENOENT
+
+    def listing(worker: int) -> None:
+        for _ in range(3):
+            names = set(os.listdir(directory))
+            assert names.issuperset(stable)
+            assert not {name for name in names if name.startswith("missing")}
+
+    def store(worker: int) -> None:
+        for number in range(40):
+            final = directory / f"s{worker}-{number}"
+            temporary = directory / f"s{worker}-{number}.tmp"
+            temporary.write_bytes(b"s" * number)
+            os.replace(temporary, final)
+            assert final.stat().st_size == number
+
+    for _ in range(3):
+        drop_caches()
+        with ThreadPoolExecutor(16) as pool:
+            work = ([pool.submit(stat_existing, worker) for worker in range(8)]
+                    + [pool.submit(stat_missing, worker) for worker in range(4)]
+                    + [pool.submit(listing, worker) for worker in range(2)]
+                    + [pool.submit(store, worker) for worker in range(2)])
+            for done in work:
+                done.result()
+        names = set(os.listdir(directory))
+        assert names == set(stable) | {f"s{w}-{n}" for w in range(2) for n in range(40)}
