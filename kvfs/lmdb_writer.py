@@ -28,6 +28,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lmdb
@@ -39,18 +40,30 @@ _LENGTH = struct.Struct("<I")
 _REPLY = struct.Struct("<BI")
 APPLIED, REFUSED = 0, 1
 WRITER_LOCK = "writer.lock"
+WRITER_WAIT_SECONDS = 60.0  # for a killed daemon's writer to finish its group and exit
 
 
 def hold_writer_lock(path: Path) -> int:
     """Wait until no other process writes the LMDB environment at `path`, and keep it so
-    until the returned descriptor is closed."""
+    until the returned descriptor is closed. RuntimeError if another keeps it past
+    WRITER_WAIT_SECONDS (a writer stopped, not dead: its group is still to land)."""
     fd = os.open(path / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    timeout = WRITER_WAIT_SECONDS
+    deadline = time.monotonic() + timeout
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"another process still writes LMDB after {timeout:.0f} s "
+                                       f"({path / WRITER_LOCK} is locked: a previous daemon's "
+                                       "LMDB writer)") from None
+                time.sleep(0.02)
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 class WriterError(Exception):

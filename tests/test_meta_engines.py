@@ -12,6 +12,7 @@ hosts of one pool run on Redis only.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import signal
@@ -59,6 +60,7 @@ from kvfs.meta import (
 )
 from kvfs.records import BlobInfo, FsError
 from kvfs.redis_engine import RecordCache, RedisEngine, _Cached, _record_key
+from kvfs.volume import Volume, VolumeError
 
 UID, GID = 1000, 1000
 FILE = stat.S_IFREG | 0o644
@@ -1309,6 +1311,24 @@ def test_a_group_sent_again_is_applied_once(tmp_path: Path) -> None:
             assert txn.get(APPLIED_KEY, db=dbs["settings"]) == b"7"
     finally:
         env.close()
+
+
+def test_an_lmdb_writer_that_never_ends_fails_the_open_with_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A previous daemon's LMDB writer that keeps the writer lock (stopped, not dead): the
+    open gives up after WRITER_WAIT_SECONDS with an error that names the lock, and opens once
+    the lock is free."""
+    volume = Volume(tmp_path)
+    volume.open_metadata().close()
+    monkeypatch.setattr("kvfs.lmdb_writer.WRITER_WAIT_SECONDS", 0.3)
+    holder = os.open(volume.meta_dir / "writer.lock", os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(VolumeError, match="writer.lock is locked"):
+            volume.open_metadata()
+    finally:
+        os.close(holder)
+    volume.open_metadata().close()
 
 
 def test_the_lmdb_writer_process_ending_loses_nothing(tmp_path: Path) -> None:
