@@ -7,12 +7,12 @@ embedded one: one LMDB environment on the volume, one named database per family.
 
 Changes of the embedded engine never wait for a disk sync. A change runs at once, in the
 caller's thread, against what LMDB holds plus the changes not yet in it (`_Layer`s in memory);
-its writes go to the change log (kvfs/changelog.py, one `write`, no sync) and into the newest
-layer, and the caller returns: the change is visible to every later read and survives the
-daemon's death. The committer thread moves the layers into LMDB, one synced transaction per
-layer (group commit: everything answered during one sync goes into the next), run by the LMDB
-writer process (kvfs/lmdb_writer.py, off this process's GIL), and the log segments LMDB now
-holds are deleted. A power loss undoes at most the changes answered since
+its writes go to the change log (kvfs/changelog.py, a copy into a mapped file, no sync) and
+into the newest layer, and the caller returns: the change is visible to every later read and
+survives the daemon's death. The committer thread moves the layers into LMDB, one synced
+transaction per layer (group commit: everything answered during one sync goes into the next),
+run by the LMDB writer process (kvfs/lmdb_writer.py, off this process's GIL), and the log
+segments LMDB now holds are deleted. A power loss undoes at most the changes answered since
 the last of those syncs (~50 ms) and never breaks the database; `sync()` waits for them.
 
 Reads see one moment: a snapshot takes, under the engine's lock, an LMDB read transaction and
