@@ -185,16 +185,6 @@ class KernelNotifier:
     def attributes_changed(self, ino: int) -> None:
         self._invalidate_inode(ino, attr_only=True)
 
-    @staticmethod
-    def open_file_committed(ino: int) -> None:
-        """A commit changed the attributes of a file open on this mount (its FLUSH): sent
-        from the loop itself, no hand-off to the thread (on a store, that thread's wake-up
-        and its turn at the GIL cost more than the notification). Safe there: dropping
-        attributes alone takes only the inode's spinlock, and an open file's inode cannot be
-        in eviction, the one wait of the kernel's lookup of it."""
-        with contextlib.suppress(OSError):  # the kernel does not know the inode: fine
-            pyfuse3.invalidate_inode(ino, attr_only=True)
-
     def _invalidate_inode(self, ino: int, attr_only: bool) -> None:
         with self._queued_lock:
             queued = self._queued_inodes.get(ino)
@@ -534,7 +524,7 @@ class KvfsOperations(pyfuse3.Operations):
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
         linked = await self.meta_call(self.meta.link, inode, new_parent_inode, new_name)
-        return entry_attributes(linked, self.caching.entry)
+        return self._entry(linked)
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
@@ -561,14 +551,12 @@ class KvfsOperations(pyfuse3.Operations):
         # kvfs's pyfuse3 patch tells a READDIRPLUS from a READDIR, whose entries carry their
         # inode number and type alone: those are read without unpacking the inodes.
         plus = getattr(token, "plus", True)
-        timeout = self.caching.entry
         after = start_id
         while True:  # in pages: a huge directory is never read whole
             wanted = self._readdir_fits
             if plus:
                 page = await self.meta_call(self.meta.readdir_page, fh, after, wanted)
-                entries = [(name, entry_attributes(inode, timeout), cookie)
-                           for name, inode, cookie in page]
+                entries = [(name, self._entry(inode), cookie) for name, inode, cookie in page]
             else:
                 typed = await self.meta_call(self.meta.readdir_types_page, fh, after, wanted)
                 entries = [(name, typed_entry(ino, mode), cookie)
@@ -638,9 +626,12 @@ class KvfsOperations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         if self.control.owns_handle(fh):
             return
-        handle = self.files.handle(fh)
-        if await self.files.flush(handle):
-            self.notifier.open_file_committed(handle.ino)
+        # The commit changes what the kernel may hold of the file's size, times and blocks,
+        # and it holds none of them past a write: each write (passthrough, or sent here)
+        # marks them stale in its cache, and while a writer is open kvfs tells them only
+        # uncached (`_entry`). No invalidation, then: on the loop it released the GIL for a
+        # write to /dev/fuse on every store.
+        await self.files.flush(self.files.handle(fh))
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         if self.control.owns_handle(fh):

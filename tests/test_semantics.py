@@ -78,6 +78,54 @@ def test_writer_sees_its_own_size_and_end(kvfs, tmp_path: Path, existing: bool) 
     assert outcomes[tmp_path][-1] == b"a" * 50 + b"c"
 
 
+def written_in_two(path: Path, flags: int, between) -> int:
+    """Write a file in two parts, O_DIRECT-aligned, with `between` (a client's look at it
+    while it is being written) after each; returns its size."""
+    part = mmap.mmap(-1, MiB)  # (page-aligned, as O_DIRECT wants)
+    part.write(os.urandom(MiB))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        for _ in range(2):
+            os.write(fd, part)
+            between(fd)
+    finally:
+        os.close(fd)
+    return 2 * MiB if not flags & os.O_APPEND else 2 * MiB + 10
+
+
+@pytest.mark.parametrize("look", ["none", "fstat", "stat", "ls -l", "link", "du"])
+@pytest.mark.parametrize("flags", [os.O_TRUNC, os.O_DIRECT, os.O_APPEND])
+def test_a_closed_files_attributes_are_the_committed_ones_at_once(kvfs, look: str,
+                                                                   flags: int) -> None:
+    """A commit sends the kernel no invalidation (each write marks the size, times and
+    blocks stale in its cache, and a file being written is described uncached): right after
+    the close, stat must show what a kernel that holds nothing of the file reads, whoever
+    looked at the file while it was written and however."""
+    directory = kvfs.mountpoint / "attributes"
+    directory.mkdir()
+    path = directory / "chunk"
+    if flags & os.O_APPEND:
+        path.write_bytes(b"0123456789")
+        os.stat(path)  # (its attributes cached before the writer opens)
+    looks = {"none": lambda fd: None, "fstat": os.fstat, "stat": lambda fd: os.stat(path),
+             "ls -l": lambda fd: sh("ls", "-l", str(directory)),
+             "link": lambda fd: os.link(path, directory / f"link{os.fstat(fd).st_size}"),
+             "du": lambda fd: sh("du", "-a", str(directory))}
+    size = written_in_two(path, flags, looks[look])
+
+    def seen(name: str) -> tuple:
+        status = (directory / name).stat()
+        return status.st_size, status.st_blocks, status.st_mtime_ns, status.st_ctime_ns
+
+    names = sorted(entry.name for entry in directory.iterdir())
+    after_close = [seen(name) for name in names]
+    assert after_close[names.index("chunk")][0] == size
+    looked_up = stats(kvfs.mountpoint)["requests"]["lookup"]["count"]
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")  # the kernel forgets the inodes
+    assert [seen(name) for name in names] == after_close
+    assert stats(kvfs.mountpoint)["requests"]["lookup"]["count"] > looked_up  # (asked anew)
+
+
 def test_new_file_written_then_appended_after_seek_end(kvfs, tmp_path: Path) -> None:
     """The data-corrupting case: write 100 bytes, seek to the end, write 10: 110 bytes."""
     contents = []
