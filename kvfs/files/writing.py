@@ -1,7 +1,7 @@
 """Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
 from the loop where finishing it is a few small syscalls (else off the loop), and publishes
-it (moves it from staging/ into blobs/) through the publisher, which no close waits for."""
+it: at once, or on a syncing store through the publisher, which no close waits for."""
 
 from __future__ import annotations
 
@@ -215,18 +215,21 @@ class WritingOps(RetiringOps):
         """`_finish_and_commit` of a file whose finish is a few small syscalls: the commit
         goes from the loop (inline on LMDB; on Redis in one round trip of the loop's own
         connection when the host's record cache has the inode). A store that syncs (a shared
-        pool's volume, or `--fsync`) finishes in a worker. The publishing rename is left to
-        the publisher: it waits on the destination directory, which the reaper's deletes of
-        evicted blobs hold (on the loop it stalled every client for 2-27 ms at times while
-        a vLLM tier stored beside evictions); readers find the blob in staging/ until then."""
+        pool's volume, or `--fsync`) finishes in a worker and leaves the publishing rename to
+        the publisher: there the volume's operations are round trips, and readers find the
+        blob in staging/ until it is published."""
         if staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
                                                       holder)
-        self._published_later[staged.blob_id] = trio.Event()
-        self._to_publish.send_nowait(staged)
+        if staged.syncs:
+            self._published_later[staged.blob_id] = trio.Event()
+            self._to_publish.send_nowait(staged)
+        else:
+            with contextlib.suppress(OSError):  # the flush tries again and reports the error
+                staged.publish()
         return blob, inode, old_blob
 
     async def run_publisher(self) -> None:
