@@ -34,7 +34,6 @@ import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -187,14 +186,6 @@ class ChecksumError(Exception):
     """Data on the volume does not match its recorded checksum (or is missing/short)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Spare:
-    """An unnamed staged file made ahead (kvfs/files/spares.py), with its state as made: the
-    writer that takes it need not look (an fstat on the loop per store)."""
-    fd: int
-    state: tuple[int, int]
-
-
 class DataStore:
     def __init__(self, root: Path, fsync: bool = False, session: str = "") -> None:
         """`session`: this host's staging directory in a shared pool ("": staging/ itself)."""
@@ -219,11 +210,10 @@ class DataStore:
     def create_staging(self, blob_id: int) -> int:
         return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
-    def create_unnamed(self) -> Spare:
+    def create_unnamed(self) -> int:
         """A file without a name in the staging directory (O_TMPFILE): gone with its last
         descriptor unless `name_staged` links it first."""
-        fd = os.open(self.staging_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        return Spare(fd, _file_state(fd))
+        return os.open(self.staging_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
 
     def name_staged(self, fd: int, blob_id: int) -> None:
         """Give an unnamed staged file its staging name (before the commit that names its
@@ -399,17 +389,13 @@ class StagedFile:
     it into blobs/ (`published`). Once committed, the staged file is never deleted here."""
 
     def __init__(self, store: DataStore, blob_id: int, base_fd: int | None,
-                 base: BlobInfo | None, fd: int | None = None, spare: Spare | None = None
-                 ) -> None:
-        """`fd`: the file to stage in, at its staging path already; `spare`: an unnamed one
-        to stage in; neither: a new one is created at the staging path."""
+                 base: BlobInfo | None, fd: int | None = None, named: bool = True) -> None:
+        """`fd`: the file to stage in (`named`: at its staging path already); None: a new
+        one is created there."""
         self.store = store
         self.blob_id = blob_id
-        if spare is not None:
-            self.fd, self.named, seen = spare.fd, False, spare.state
-        else:
-            self.fd = store.create_staging(blob_id) if fd is None else fd
-            self.named, seen = True, _file_state(self.fd)
+        self.fd = store.create_staging(blob_id) if fd is None else fd
+        self.named = named or fd is None
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
@@ -422,7 +408,7 @@ class StagedFile:
         # hasher holds the block being filled, up to _stream_end (None: not streaming).
         self._hasher = xxhash.xxh3_64()
         self._stream_end: int | None = 0
-        self._seen: tuple[int, int] | None = seen  # as kvfs last left it
+        self._seen: tuple[int, int] | None = _file_state(self.fd)  # as kvfs last left it
 
     @classmethod
     def again(cls, committed: StagedFile, blob_id: int) -> StagedFile:

@@ -18,7 +18,7 @@ from collections import deque
 
 import trio
 
-from kvfs.data import DataStore, Spare
+from kvfs.data import DataStore
 from kvfs.offloop import off_loop
 
 log = logging.getLogger(__name__)
@@ -32,22 +32,22 @@ NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL}  # the volume's answ
 class SpareFiles:
     def __init__(self, data: DataStore) -> None:
         self.data = data
-        self._spares: deque[Spare] = deque()
+        self._fds: deque[int] = deque()
         self._wanted = trio.Event()
 
-    def take(self) -> Spare | None:
+    def take(self) -> int | None:
         """An empty unnamed file open for reading and writing, or None (none made yet, or
         the volume cannot make them): the caller creates a named one itself."""
-        if len(self._spares) < SPARES_KEPT // 2:
+        if len(self._fds) < SPARES_KEPT // 2:
             self._wanted.set()
-        return self._spares.popleft() if self._spares else None
+        return self._fds.popleft() if self._fds else None
 
     async def run(self) -> None:
         """Keep SPARES_KEPT made, refilling whenever they run low."""
         retry = RETRY_SECONDS[0]
         try:
             while True:
-                while len(self._spares) < SPARES_KEPT:
+                while len(self._fds) < SPARES_KEPT:
                     try:
                         made = await off_loop(self._make, SPARES_BATCH)
                     except OSError as error:
@@ -61,15 +61,15 @@ class SpareFiles:
                         retry = min(2 * retry, RETRY_SECONDS[1])
                         continue
                     retry = RETRY_SECONDS[0]
-                    self._spares.extend(made)
+                    self._fds.extend(made)
                 self._wanted = trio.Event()
                 await self._wanted.wait()
         finally:
             self.close()
 
-    def _make(self, count: int) -> list[Spare]:
+    def _make(self, count: int) -> list[int]:
         """Up to `count` (fewer if the volume refuses one after the first)."""
-        made: list[Spare] = []
+        made: list[int] = []
         try:
             for _ in range(count):
                 made.append(self.data.create_unnamed())
@@ -80,5 +80,5 @@ class SpareFiles:
 
     def close(self) -> None:
         """The mount ends: the spares go with their descriptors."""
-        while self._spares:
-            os.close(self._spares.popleft().fd)
+        while self._fds:
+            os.close(self._fds.popleft())

@@ -97,7 +97,7 @@ class WritingOps(RetiringOps):
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
             handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
-                                       handle.blob, spare=self.spares.take())
+                                       handle.blob, fd=self.spares.take(), named=False)
         return handle.staged
 
     async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
