@@ -16,6 +16,7 @@ from humanfriendly import format_size
 
 from kvfs import daemon, fsck, prewarm, statview
 from kvfs.daemon import MountConfig
+from kvfs.files.spares import SpareMode
 from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
 from kvfs.verify import VerifyMode
@@ -114,6 +115,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel: O_DIRECT opens pass through too, with the volume's "
                              "alignment rules, as on a plain directory; daemon: kvfs serves "
                              "them, any alignment, at Python speed (default %(default)s)")
+    parser.add_argument("--spares", type=SpareMode, choices=list(SpareMode),
+                        default=MountConfig.spares,
+                        help="writers' staged files made ahead in a worker thread: auto (where "
+                             "the volume is slow to create files, and on a shared pool), on, off "
+                             "(default %(default)s)")
     parser.add_argument("--prefetch", type=size_or_zero, default=MountConfig.prefetch_bytes,
                         metavar="SIZE",
                         help="read and verify chunks in the background when an engine looks "
@@ -138,7 +144,7 @@ def mount_command(args: argparse.Namespace) -> None:
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
         prefetch_bytes=args.prefetch, io_uring=args.io_uring == "on",
-        cpu_latency_us=args.cpu_latency,
+        cpu_latency_us=args.cpu_latency, spares=args.spares,
     )
     daemon.run(config)
 

@@ -23,6 +23,7 @@ from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
 from kvfs.cpu_latency import CpuLatency
 from kvfs.files import FileTable
+from kvfs.files.spares import SpareMode
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
@@ -68,6 +69,7 @@ class MountConfig:
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
     io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
+    spares: SpareMode = SpareMode.AUTO  # staged files made ahead (kvfs/files/spares.py)
     cpu_latency_us: int | None = None  # CPU wake-up limit while requests flow; None: none
 
 
@@ -135,7 +137,7 @@ class Daemon:
             o_direct=config.odirect == "kernel")
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                self.passthrough, self.session, config.verify,
-                               config.prefetch_bytes,
+                               config.prefetch_bytes, config.spares,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.files.verifier.load(self.volume.verified_path(self.shared))

@@ -25,6 +25,7 @@ from pathlib import Path
 import lmdb
 import pyfuse3
 import pytest
+import trio
 from conftest import (
     KvfsMount,
     assert_counters_exact,
@@ -37,7 +38,9 @@ from conftest import (
 from test_crash import fsck_clean
 from test_passthrough import errno_of, read_all
 
+from kvfs.data import DataStore
 from kvfs.engine import LmdbEngine
+from kvfs.files.spares import CREATES_TIMED, SLOW_CREATE_SECONDS, SpareFiles, SpareMode
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 from kvfs.records import SUMS_PENDING
 
@@ -49,7 +52,11 @@ pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
 
 @pytest.fixture
 def roomy(make_mount) -> KvfsMount:
-    kvfs = make_mount("--capacity", "8G")
+    return passthrough_mount(make_mount)
+
+
+def passthrough_mount(make_mount, *options: str) -> KvfsMount:
+    kvfs = make_mount("--capacity", "8G", *options)
     (kvfs.mountpoint / "probe").write_bytes(b"p")
     if stats(kvfs.mountpoint)["data_path"] != "passthrough":
         pytest.skip("the kernel did not grant FUSE passthrough")
@@ -595,10 +602,72 @@ def unnamed_staged_files(pid: int, data: Path) -> int:
     return count
 
 
-def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(roomy: KvfsMount) -> None:
-    """A writer's open creates no file on the volume: it takes a spare made ahead, unnamed,
-    which its commit names and publishes. Open writers leave no name in staging/, a crash
-    leaves nothing to recover, and the committed files are whole."""
+def test_without_spares_each_writer_creates_its_staged_file(make_mount) -> None:
+    """`--spares off` (and auto where creates are quick): nothing is made ahead; each
+    writer's open creates its staged file, named in staging/ while it is open and gone from
+    there once committed; a crash with writers open leaves nothing after recovery."""
+    kvfs = passthrough_mount(make_mount, "--spares", "off")
+    root = kvfs.mountpoint
+    writers = subprocess.Popen([sys.executable, "-c", WRITERS_SCRIPT, str(root)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writers.stdout is not None and writers.stdout.readline().strip() == "ready"
+        assert unnamed_staged_files(kvfs.pid, kvfs.data) == 0
+        assert len(list((kvfs.data / "staging").iterdir())) == 8, "the open writers' files"
+        for i in range(8):
+            assert (root / f"w{i}").read_bytes() == bytes([i]) * (64 << 10)
+        kvfs.kill9()
+    finally:
+        writers.kill()
+        writers.wait()
+    kvfs.mount()
+    assert list((kvfs.data / "staging").iterdir()) == []
+    for i in range(16):
+        assert (root / f"w{i}").read_bytes() == (bytes([i]) * (64 << 10) if i < 8 else b""), i
+    assert_counters_exact(root, kvfs.data)
+    kvfs.unmount()
+    fsck_clean(kvfs)
+
+
+def test_spares_come_where_creates_are_slow_and_go_where_they_are_quick(tmp_path: Path
+                                                                       ) -> None:
+    """`--spares auto`'s rule, on a real data store: spares are made once the quickest of
+    the loop's last CREATES_TIMED creates was slow (timings given here: a slow volume cannot
+    be had on demand), and stop once spares are made quickly (this directory makes them in
+    microseconds)."""
+    spares = SpareFiles(DataStore(tmp_path), SpareMode.AUTO)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spares.run)
+            for _ in range(CREATES_TIMED):
+                spares.created(SLOW_CREATE_SECONDS / 4)
+            for _ in range(CREATES_TIMED - 1):
+                spares.created(SLOW_CREATE_SECONDS * 4)
+            spares.created(SLOW_CREATE_SECONDS / 4)  # one quick among slow ones: quick yet
+            await trio.sleep(0.1)
+            assert not spares.making and spares.take() is None
+            for _ in range(CREATES_TIMED):
+                spares.created(SLOW_CREATE_SECONDS * 4)
+            assert spares.making
+            with trio.fail_after(10):
+                while (spare := spares.take()) is None:
+                    await trio.sleep(0.01)
+            os.close(spare)
+            with trio.fail_after(10):  # the batch was made quickly: the loop creates again
+                while spares.making:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(make_mount) -> None:
+    """Where spares are made (`--spares on`; auto where creates are slow), a writer's open
+    creates no file on the volume: it takes a spare made ahead, unnamed, which its commit
+    names and publishes. Open writers leave no name in staging/, a crash leaves nothing to
+    recover, and the committed files are whole."""
+    roomy = passthrough_mount(make_mount, "--spares", "on")
     root = roomy.mountpoint
     assert wait_for(lambda: unnamed_staged_files(roomy.pid, roomy.data) >= 32)
     assert stats(root)["used_bytes"] == 0, "spares take no room"

@@ -24,7 +24,7 @@ from kvfs.data import (
     StagedFile,
     allocated_bytes,
 )
-from kvfs.files.spares import SpareFiles
+from kvfs.files.spares import SpareFiles, SpareMode
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls, QuickLock
@@ -171,7 +171,7 @@ class FileState:
 
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
-                 verify: VerifyMode, prefetch_budget: int,
+                 verify: VerifyMode, prefetch_budget: int, spares: SpareMode,
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
@@ -179,7 +179,7 @@ class FileState:
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
-        self.spares = SpareFiles(data)
+        self.spares = SpareFiles(data, spares)
         self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.prefetcher = Prefetcher(meta, data, self.verifier, session, stats, prefetch_budget)

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import trio
@@ -96,8 +97,12 @@ class WritingOps(RetiringOps):
         if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
-                                       handle.blob, fd=self.spares.take(), named=False)
+            blob_id, spare = await self._new_blob_id(), self.spares.take()
+            started = time.perf_counter()
+            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob, fd=spare,
+                                       named=False)
+            if spare is None:  # (created on the loop: timed, for the spares' mode)
+                self.spares.created(time.perf_counter() - started)
         return handle.staged
 
     async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
