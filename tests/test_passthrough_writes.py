@@ -633,9 +633,10 @@ def test_spares_come_where_creates_are_slow_and_go_where_they_are_quick(tmp_path
                                                                        ) -> None:
     """`--spares auto`'s rule, on a real data store: spares are made once the quickest of
     the loop's last CREATES_TIMED creates was slow (timings given here: a slow volume cannot
-    be had on demand), and stop once spares are made quickly (this directory makes them in
-    microseconds)."""
-    spares = SpareFiles(DataStore(tmp_path), SpareMode.AUTO)
+    be had on demand), and stop once spares are made quickly (here: in under a second, which
+    this VM's disk does even right after large deletions), after they were made for a while
+    (here 0.5 s)."""
+    spares = SpareFiles(DataStore(tmp_path), SpareMode.AUTO, hold_seconds=0.5, quick_seconds=1.0)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -654,9 +655,12 @@ def test_spares_come_where_creates_are_slow_and_go_where_they_are_quick(tmp_path
                 while (spare := spares.take()) is None:
                     await trio.sleep(0.01)
             os.close(spare)
-            with trio.fail_after(10):  # the batch was made quickly: the loop creates again
+            started = trio.current_time()
+            with trio.fail_after(10):  # made quickly: the loop creates again, after the hold
                 while spares.making:
+                    spares.take()  # (takes wake the maker up)
                     await trio.sleep(0.01)
+            assert trio.current_time() - started >= 0.4
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -15,8 +15,10 @@ journaled ext4 the mount stored 22 % more without them (docs/benchmarks.md). So 
 auto` (the default) starts without them on one host and times the creates the loop makes:
 when the quickest of CREATES_TIMED in a row took more than SLOW_CREATE_SECONDS, spares are
 made, and when the quickest of a batch of spares took less than QUICK_CREATE_SECONDS the loop
-creates again. (The quickest: a thread's wait for the GIL after a system call only ever adds
-to one, and the loop is busiest exactly when creates are timed.) A shared pool's volume is a
+creates again, but not within SPARES_HOLD_SECONDS of their start (a volume between the two
+would switch them many times a second). (The quickest: a thread's wait for the GIL after a
+system call only ever adds to one, and the loop is busiest when creates are timed.) A shared
+pool's volume is a
 network filesystem: there spares are made from the start. On a volume without O_TMPFILE there
 are none, whatever the mode.
 """
@@ -44,6 +46,7 @@ NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL}  # the volume's answ
 SLOW_CREATE_SECONDS = 200e-6  # the loop's quickest create of CREATES_TIMED above: spares
 QUICK_CREATE_SECONDS = 60e-6  # the quickest spare of a batch below: the loop creates again
 CREATES_TIMED = 8
+SPARES_HOLD_SECONDS = 60.0  # spares made (auto) stay at least this long
 
 
 class SpareMode(StrEnum):
@@ -53,9 +56,14 @@ class SpareMode(StrEnum):
 
 
 class SpareFiles:
-    def __init__(self, data: DataStore, mode: SpareMode) -> None:
+    def __init__(self, data: DataStore, mode: SpareMode,
+                 hold_seconds: float = SPARES_HOLD_SECONDS,
+                 quick_seconds: float = QUICK_CREATE_SECONDS) -> None:
         self.data = data
         self.mode = mode
+        self.hold_seconds = hold_seconds
+        self.quick_seconds = quick_seconds
+        self._making_since = time.monotonic()
         self.making = mode is SpareMode.ON or (mode is SpareMode.AUTO and data.shared)
         self._fds: deque[int] = deque()
         self._wanted = trio.Event()
@@ -83,6 +91,7 @@ class SpareFiles:
             log.info("staged files take %.0f µs or more to create on the volume: writers take "
                      "spares made ahead", quickest * 1e6)
             self.making = True
+            self._making_since = time.monotonic()
             self._wanted.set()
 
     async def run(self) -> None:
@@ -116,7 +125,8 @@ class SpareFiles:
         """(auto) The quickest spare of a batch took `quickest` seconds: quick enough for the
         loop to create its files again?"""
         if (self.mode is SpareMode.AUTO and not self.data.shared
-                and quickest < QUICK_CREATE_SECONDS):
+                and quickest < self.quick_seconds
+                and time.monotonic() - self._making_since >= self.hold_seconds):
             log.info("staged files take %.0f µs to create on the volume: writers create "
                      "their own again", quickest * 1e6)
             self.making = False
