@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -607,26 +608,12 @@ def test_without_spares_each_writer_creates_its_staged_file(make_mount) -> None:
     writer's open creates its staged file, named in staging/ while it is open and gone from
     there once committed; a crash with writers open leaves nothing after recovery."""
     kvfs = passthrough_mount(make_mount, "--spares", "off")
-    root = kvfs.mountpoint
-    writers = subprocess.Popen([sys.executable, "-c", WRITERS_SCRIPT, str(root)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert writers.stdout is not None and writers.stdout.readline().strip() == "ready"
+
+    def while_open() -> None:
         assert unnamed_staged_files(kvfs.pid, kvfs.data) == 0
         assert len(list((kvfs.data / "staging").iterdir())) == 8, "the open writers' files"
-        for i in range(8):
-            assert (root / f"w{i}").read_bytes() == bytes([i]) * (64 << 10)
-        kvfs.kill9()
-    finally:
-        writers.kill()
-        writers.wait()
-    kvfs.mount()
-    assert list((kvfs.data / "staging").iterdir()) == []
-    for i in range(16):
-        assert (root / f"w{i}").read_bytes() == (bytes([i]) * (64 << 10) if i < 8 else b""), i
-    assert_counters_exact(root, kvfs.data)
-    kvfs.unmount()
-    fsck_clean(kvfs)
+
+    crash_with_writers_open(kvfs, while_open)
 
 
 def test_spares_come_where_creates_are_slow_and_go_where_they_are_quick(tmp_path: Path
@@ -675,24 +662,36 @@ def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(make_mount) 
     root = roomy.mountpoint
     assert wait_for(lambda: unnamed_staged_files(roomy.pid, roomy.data) >= 32)
     assert stats(root)["used_bytes"] == 0, "spares take no room"
+
+    def while_open() -> None:
+        shown = stats(root)  # (the first eight fill the kernel writers' share of the pool)
+        assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (8, 8)
+        assert list((roomy.data / "staging").iterdir()) == [], "eight writers, no name"
+
+    crash_with_writers_open(roomy, while_open)
+
+
+def crash_with_writers_open(kvfs: KvfsMount, while_open: Callable[[], None]) -> None:
+    """WRITERS_SCRIPT's sixteen writers, eight of them closed; `while_open` looks at the
+    mount then; the daemon is killed (-9) with eight writers open. After a new mount: staging/
+    empty, the closed files whole, the open ones empty, counters exact, fsck clean."""
+    root = kvfs.mountpoint
     writers = subprocess.Popen([sys.executable, "-c", WRITERS_SCRIPT, str(root)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert writers.stdout is not None and writers.stdout.readline().strip() == "ready"
-        shown = stats(root)  # (the first eight fill the kernel writers' share of the pool)
-        assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (8, 8)
-        assert list((roomy.data / "staging").iterdir()) == [], "eight writers, no name"
+        while_open()
         for i in range(8):
             assert (root / f"w{i}").read_bytes() == bytes([i]) * (64 << 10)
-        roomy.kill9()
+        kvfs.kill9()
     finally:
         writers.kill()
         writers.wait()
-    roomy.mount()
-    assert list((roomy.data / "staging").iterdir()) == []
+    kvfs.mount()
+    assert list((kvfs.data / "staging").iterdir()) == []
     for i in range(16):
         expected = bytes([i]) * (64 << 10) if i < 8 else b""
         assert (root / f"w{i}").read_bytes() == expected, i
-    assert_counters_exact(root, roomy.data)
-    roomy.unmount()
-    fsck_clean(roomy)
+    assert_counters_exact(root, kvfs.data)
+    kvfs.unmount()
+    fsck_clean(kvfs)

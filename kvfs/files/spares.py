@@ -18,9 +18,8 @@ made, and when the quickest of a batch of spares took less than QUICK_CREATE_SEC
 creates again, but not within SPARES_HOLD_SECONDS of their start (a volume between the two
 would switch them many times a second). (The quickest: a thread's wait for the GIL after a
 system call only ever adds to one, and the loop is busiest when creates are timed.) A shared
-pool's volume is a
-network filesystem: there spares are made from the start. On a volume without O_TMPFILE there
-are none, whatever the mode.
+pool's volume is a network filesystem: there spares are made from the start. On a volume
+without O_TMPFILE there are none, whatever the mode.
 """
 
 from __future__ import annotations
