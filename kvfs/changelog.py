@@ -23,6 +23,7 @@ never a record that skips one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -41,7 +42,10 @@ _KEY = struct.Struct("<H")
 _KIND = struct.Struct("<B")
 _VALUE = struct.Struct("<I")
 _DELTA = struct.Struct("<q")
+_PUT_HEAD = struct.Struct("<BI")  # kind, value length
+_ADD_ENTRY = struct.Struct("<Bq")  # kind, delta
 PUT, DELETE, ADD = 0, 1, 2
+_DELETE_KIND = _KIND.pack(DELETE)
 SEGMENT_MAX = 16 << 20  # bytes of a segment (more for a larger record): applied ones are
 # deleted whole
 PREFIX = "changes-"
@@ -62,21 +66,28 @@ Value = bytes | None | Keep
 
 
 def encode(writes: dict[str, dict[bytes, list]]) -> bytes:
-    """A change's writes as one record's payload."""
-    parts: list[bytes] = []
+    """A change's writes as one record's payload (pieces joined once: the loop encodes every
+    change it answers)."""
+    parts: list[bytes | bytearray | memoryview] = []
+    add = parts.extend
     for family, keys in writes.items():
-        name = family.encode()
-        head = _FAMILY.pack(len(name)) + name
+        head = _family_head(family)
         for key, (base, delta) in keys.items():
-            entry = head + _KEY.pack(len(key)) + key
+            key_head = _KEY.pack(len(key))
             if base is None:
-                parts.append(entry + _KIND.pack(DELETE))
+                add((head, key_head, key, _DELETE_KIND))
             elif base is not KEEP:
                 assert isinstance(base, bytes | bytearray | memoryview)
-                parts.append(entry + _KIND.pack(PUT) + _VALUE.pack(len(base)) + bytes(base))
+                add((head, key_head, key, _PUT_HEAD.pack(PUT, len(base)), base))
             if delta:
-                parts.append(entry + _KIND.pack(ADD) + _DELTA.pack(delta))
+                add((head, key_head, key, _ADD_ENTRY.pack(ADD, delta)))
     return b"".join(parts)
+
+
+@functools.cache
+def _family_head(family: str) -> bytes:
+    name = family.encode()
+    return _FAMILY.pack(len(name)) + name
 
 
 def decode(payload: bytes) -> Iterator[tuple[str, bytes, int, bytes | int | None]]:

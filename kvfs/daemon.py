@@ -20,6 +20,7 @@ import trio
 
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
+from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import snapshot
 from kvfs.cpu_latency import CpuLatency
 from kvfs.files import FileTable
@@ -222,7 +223,13 @@ class Daemon:
             if self.cpu_latency is not None:
                 nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)
-            await pyfuse3.main()
+            if hasattr(self.operations, "handle_now"):
+                REQUEST_LOCK.start(nursery)
+            try:
+                await pyfuse3.main()
+            finally:
+                if hasattr(self.operations, "handle_now"):
+                    REQUEST_LOCK.stop()
             nursery.cancel_scope.cancel()
 
     async def _stop_on_signal(self, scope: trio.CancelScope) -> None:

@@ -18,7 +18,7 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import pyfuse3
 import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
+from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
@@ -93,6 +94,10 @@ READ_SPIN_US = 100
 # request served on its caller's CPU. On this VM a LOOKUP through it costs ~20 µs wherever
 # the caller runs, against 40-100 through /dev/fuse (scripts/bench_uring.py).
 IO_URING = getattr(pyfuse3, "IO_URING", False)
+# pyfuse3's handlers of the requests that move bytes through the daemon: their reads and
+# writes go through the block cache's tasks, on the loop
+DATA_PATH_HANDLERS = {"fuse_read_async", "fuse_write_async", "fuse_write_buf_async",
+                      "fuse_fallocate_async", "fuse_fsync_async", "fuse_poll_async"}
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -291,6 +296,11 @@ class KvfsOperations(pyfuse3.Operations):
         # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
         # asks (--io-uring on): lookups and getattrs answered on the caller's CPU.
         self.enable_io_uring = IO_URING and io_uring
+        # ... and there, on the embedded engine, every request but the data path's runs on
+        # its queue thread: the caller's CPU (kvfs/callers_cpu.py; patched pyfuse3 reads it)
+        if self.enable_io_uring and not meta.engine.shared:
+            self.handle_now = self._handle_now
+            self.loop_replying = REQUEST_LOCK.loop_replying
         # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop
         # goes on to the next request while the kernel wakes the last one's caller
         self.reply_thread = not self.enable_io_uring
@@ -382,6 +392,13 @@ class KvfsOperations(pyfuse3.Operations):
             self.missing_names.missed_in(parent_inode)
         racing = self.notifier.changed_since(parent_inode, name, started)
         return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
+
+    def _handle_now(self, handler: Coroutine[Any, Any, Any]) -> None:
+        """A request's handler coroutine, on the io_uring queue thread that took it."""
+        if getattr(handler, "__name__", "") in DATA_PATH_HANDLERS:
+            REQUEST_LOCK.to_loop(handler)
+        else:
+            REQUEST_LOCK.run_here(handler)
 
     def lookup_now(self, parent_inode: int, name: bytes, ctx: RequestContext
                    ) -> EntryAttributes | None:

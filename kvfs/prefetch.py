@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from kvfs.callers_cpu import wake
 from kvfs.data import ChecksumError, DataStore
 from kvfs.meta import Inode, MetaStore
 from kvfs.offloop import MetaCalls
@@ -145,7 +146,7 @@ class Prefetcher:
         self._queue.append(wanted)
         self._queued.add(wanted.blob_id)
         self._committed_bytes += wanted.size
-        self._work.set()
+        wake(self._work)
 
     def _process(self, caller: Caller) -> int | None:
         """The caller's process (FUSE names the calling thread), None for a listing tool;

@@ -44,6 +44,7 @@ from dataclasses import replace
 
 import trio
 
+from kvfs.callers_cpu import on_loop, wake
 from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
 from kvfs.files.state import (
     WRITER_WAIT_SECONDS,
@@ -136,6 +137,7 @@ class FileTable(WritingOps):
             return await self._answer_open(state, handle, flags, contended)
         except BaseException:
             del self._handles[handle.fh]
+            await on_loop()
             with trio.CancelScope(shield=True):
                 await self._close_handle(handle)
             raise
@@ -371,8 +373,11 @@ class FileTable(WritingOps):
     async def _wait_for_kernel_users(self, ino: int) -> None:
         """Let readers the kernel serves itself (page cache, passthrough) finish before a
         writer or a reader of another version changes the kernel's view of `ino`."""
+        if not self._kernel_users(ino):
+            return
+        await on_loop()
         state = self._open.get(ino)
-        if state is None or not state.kernel_users():
+        if state is None or not state.kernel_users():  # (gone meanwhile)
             return
         state.writers_waiting += 1
         try:
@@ -387,6 +392,10 @@ class FileTable(WritingOps):
         finally:
             state.writers_waiting -= 1
             self._forget_if_unused(state)
+
+    def _kernel_users(self, ino: int) -> bool:
+        state = self._open.get(ino)
+        return state is not None and state.kernel_users()
 
     async def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
@@ -423,7 +432,7 @@ class FileTable(WritingOps):
                 self.passthrough.unregister(state.backing.backing_id)
                 state.backing = None
         if state.kernel_users_gone is not None and not state.kernel_users():
-            state.kernel_users_gone.set()
+            wake(state.kernel_users_gone)
             state.kernel_users_gone = None
         self._forget_if_unused(state)
         if handle.blob is not None:

@@ -8,6 +8,7 @@ import logging
 
 import trio
 
+from kvfs.callers_cpu import on_loop, wake
 from kvfs.files.state import (
     FileState,
 )
@@ -49,7 +50,7 @@ class RetiringOps(FileState):
             self._doomed_when_published.add(blob_id)
             return
         self._doomed.append(blob_id)
-        self._reap_wanted.set()
+        wake(self._reap_wanted)
 
     def _publishing_over(self, blob_id: int) -> None:
         self._publishing.discard(blob_id)
@@ -74,6 +75,7 @@ class RetiringOps(FileState):
         return pending
 
     async def _reap_doomed(self) -> None:
+        await on_loop()
         async with self._reaping:  # after a deletion under way, the rest
             doomed, self._doomed = self._doomed, []
             if not doomed:
@@ -106,6 +108,7 @@ class RetiringOps(FileState):
     async def _drop_damaged(self, inode: Inode, reason: str,
                             blob: BlobInfo | None = None) -> None:
         """Never serve bad bytes: count, log and drop the file so readers see a miss."""
+        await on_loop()
         self.stats.checksum_errors += 1
         log.error("dropping %r (ino %d): %s", inode.name, inode.ino, reason)
         try:

@@ -33,6 +33,7 @@ from enum import StrEnum
 
 import trio
 
+from kvfs.callers_cpu import wake
 from kvfs.data import DataStore
 from kvfs.offloop import off_loop
 
@@ -73,7 +74,7 @@ class SpareFiles:
         made here now, none are made yet, or the volume cannot make them): the caller then
         creates a named one itself and says how long it took (`created`)."""
         if self.making and len(self._fds) < SPARES_KEPT // 2:
-            self._wanted.set()
+            wake(self._wanted)
         return self._fds.popleft() if self._fds else None
 
     def created(self, seconds: float) -> None:
@@ -91,7 +92,7 @@ class SpareFiles:
                      "spares made ahead", quickest * 1e6)
             self.making = True
             self._making_since = time.monotonic()
-            self._wanted.set()
+            wake(self._wanted)
 
     async def run(self) -> None:
         """Keep SPARES_KEPT made while spares are wanted, refilling whenever they run low."""

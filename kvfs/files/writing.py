@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import trio
 
+from kvfs.callers_cpu import on_loop
 from kvfs.data import (
     StagedFile,
     writable_length,
@@ -271,6 +272,8 @@ class WritingOps(RetiringOps):
 
     async def _published_by_publisher(self, staged: StagedFile) -> None:
         """Return once the publisher is done with `staged` (at once if it never had it)."""
+        if staged.blob_id in self._published_later:
+            await on_loop()
         queued = self._published_later.get(staged.blob_id)
         if queued is not None:
             await queued.wait()

@@ -271,7 +271,8 @@ class NamespaceOps(MetaBase):
         def change(txn: Txn) -> tuple[Inode, Removed | None]:
             cookies = iter(reserved)
             self._dir(txn, old_parent)
-            self._dir(txn, new_parent)
+            if new_parent != old_parent:
+                self._dir(txn, new_parent)
             moved = self._child(txn, old_parent, old_name)
             if moved is None:
                 raise fail(errno.ENOENT)
@@ -304,8 +305,11 @@ class NamespaceOps(MetaBase):
                 moved = self._get(txn, moved.ino)  # unchanged unless it was the target
             moved = self._move_name(txn, moved, (old_parent, old_name),
                                     (new_parent, new_name), now, next(cookies))
-            self._adjust_parent(txn, old_parent, -moved.is_dir, now)
-            self._adjust_parent(txn, new_parent, moved.is_dir, now)
+            if new_parent == old_parent:  # (a store's rename: one read and write of it)
+                self._adjust_parent(txn, old_parent, 0, now)
+            else:
+                self._adjust_parent(txn, old_parent, -moved.is_dir, now)
+                self._adjust_parent(txn, new_parent, moved.is_dir, now)
             return moved, replaced
         return self._change(change)
 
