@@ -81,9 +81,10 @@ class RequestLock(trio.abc.Instrument):
     def off_loop_thread(self) -> bool:
         return self._loop_thread is not None and threading.get_ident() != self._loop_thread
 
-    def run_here(self, handler: Coroutine[Any, Any, Any]) -> None:
-        """On a queue thread: run `handler` until it answers or must wait; then the loop
-        resumes it."""
+    def run_here(self, handler: Coroutine[Any, Any, Any], answered: Callable[[], None]
+                 ) -> None:
+        """On a queue thread: run `handler` until it answers (then `answered()`, under the
+        lock) or must wait; then the loop resumes it."""
         with self._lock:
             if self._loop_thread is None:  # the loop has ended
                 handler.close()
@@ -91,6 +92,7 @@ class RequestLock(trio.abc.Instrument):
             try:
                 asked = handler.send(None)
             except StopIteration:
+                answered()
                 return
             except BaseException:  # (pyfuse3's handlers answer every error themselves)
                 log.exception("a request's handler failed on its queue thread")

@@ -341,8 +341,8 @@ class KvfsOperations(pyfuse3.Operations):
         """The kernel's INIT is answered: say which paths requests and data take."""
         # (the patch's function; IO_URING says the patch is there)
         if self.enable_io_uring and pyfuse3.io_uring_requested_at_init():  # type: ignore[attr-defined]
-            log.info("requests: FUSE over io_uring asked for (lookups and getattrs on the "
-                     "caller's CPU; .kvfs/stats answered_on_caller_cpu counts them)")
+            log.info("requests: FUSE over io_uring asked for (answered on the caller's CPU "
+                     "where they need not wait; .kvfs/stats answered_on_caller_cpu counts them)")
         elif getattr(pyfuse3, "replies_from_thread", lambda: False)():
             log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:
@@ -398,7 +398,10 @@ class KvfsOperations(pyfuse3.Operations):
         if getattr(handler, "__name__", "") in DATA_PATH_HANDLERS:
             REQUEST_LOCK.to_loop(handler)
         else:
-            REQUEST_LOCK.run_here(handler)
+            REQUEST_LOCK.run_here(handler, self._answered_on_caller_cpu)
+
+    def _answered_on_caller_cpu(self) -> None:
+        self.stats.answered_on_caller_cpu += 1
 
     def lookup_now(self, parent_inode: int, name: bytes, ctx: RequestContext
                    ) -> EntryAttributes | None:

@@ -23,7 +23,7 @@ GAUGES = {
 COUNTERS = {
     "lookup_hits": "Lookups of existing names that reached the daemon",
     "lookup_misses": "Lookups of missing names that reached the daemon",
-    "answered_on_caller_cpu": "Lookups and getattrs answered on the caller's CPU (io_uring)",
+    "answered_on_caller_cpu": "Requests answered on the caller's CPU (io_uring)",
     "foreign_xattrs_refused": "Getxattrs outside user.* answered before the request loop",
     "listing_ends_answered": "Readdirs at a listing's end answered before the request loop",
     "missing_names_answered": "Lookups of missing names answered before the request loop",

@@ -77,7 +77,7 @@ def _quantile(buckets: list[int], share: float) -> int | None:
 class Stats:
     lookup_hits: int = 0
     lookup_misses: int = 0  # (reported with the misses pyfuse3 answers itself)
-    # lookups and getattrs answered on an io_uring queue thread, on the caller's CPU
+    # requests answered on an io_uring queue thread, on the caller's CPU (--io-uring on)
     answered_on_caller_cpu: int = 0
     bytes_opened: int = 0  # committed content opened for reading, however it is then read
     bytes_committed: int = 0  # content writers committed (whoever moved the bytes)

@@ -8,6 +8,7 @@ tests turn it on for their own mounts and put it back after.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import subprocess
 import sys
@@ -101,3 +102,86 @@ def test_every_request_works_over_io_uring_as_on_a_plain_directory(uring: KvfsMo
     assert os.getxattr(uring.mountpoint / "d/x", "user.k") == b"v"
     assert stats(uring.mountpoint)["handler_errors"] == 0
     assert_counters_exact(uring.mountpoint, uring.data)
+
+
+STORE_CODE = """
+import hashlib, os, sys, threading
+directory, cpu = sys.argv[1], sys.argv[5]
+count, size, threads = map(int, sys.argv[2:5])
+if cpu != "any":
+    os.sched_setaffinity(0, {int(cpu)})
+def store(worker):
+    for number in range(worker, count, threads):
+        dest = os.path.join(directory, f"{number:08d}.bin")
+        if os.path.exists(dest):
+            continue
+        payload = hashlib.sha256(str(number).encode()).digest() * (size // 32)
+        fd = os.open(f"{dest}.{worker}.tmp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, payload)
+        finally:
+            os.close(fd)
+        os.replace(f"{dest}.{worker}.tmp", dest)
+workers = [threading.Thread(target=store, args=(i,)) for i in range(threads)]
+for worker in workers:
+    worker.start()
+for worker in workers:
+    worker.join()
+"""
+
+
+def store_files(directory: Path, count: int, size: int, threads: int = 1,
+                cpu: int | None = None) -> None:
+    """vLLM's tier's store of `count` files of `size` bytes (exists, O_EXCL temporary, write,
+    close, rename) from `threads` threads of one process, on `cpu` if given."""
+    subprocess.run([sys.executable, "-c", STORE_CODE, str(directory), str(count), str(size),
+                    str(threads), "any" if cpu is None else str(cpu)],
+                   check=True, timeout=SHELL_SECONDS)
+
+
+def assert_stored(directory: Path, count: int, size: int) -> None:
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [f"{number:08d}.bin" for number in range(count)]  # (no temporary left)
+    for number in range(count):
+        payload = hashlib.sha256(str(number).encode()).digest() * (size // 32)
+        assert (directory / f"{number:08d}.bin").read_bytes() == payload
+
+
+def test_stores_are_answered_on_the_callers_cpu(uring: KvfsMount) -> None:
+    """A store's create, flush, release and rename run on the queue thread of the caller's
+    CPU: none of them has to wait for anything."""
+    stores = 50
+    for cpu in sorted(os.sched_getaffinity(0)):
+        directory = uring.mountpoint / f"cpu{cpu}"
+        directory.mkdir()
+        before = stats(uring.mountpoint)["answered_on_caller_cpu"]
+        store_files(directory, stores, 4096, cpu=cpu)
+        assert stats(uring.mountpoint)["answered_on_caller_cpu"] - before >= 4 * stores
+        drop_caches()
+        assert_stored(directory, stores, 4096)
+    assert stats(uring.mountpoint)["handler_errors"] == 0
+    assert_counters_exact(uring.mountpoint, uring.data)
+
+
+def test_handlers_that_wait_finish_on_the_loop_beside_queue_threads(make_mount) -> None:
+    """With --fsync every close waits for a worker thread's sync: its handler moves from
+    the queue thread to the loop, which answers it while sixteen writers on every CPU keep
+    the queue threads busy (and waiting for the loop's lock). Nothing hangs, nothing is
+    lost, the counters are exact."""
+    if not getattr(pyfuse3, "IO_URING", False) or not ENABLE_URING.exists():
+        pytest.skip("no FUSE over io_uring here (see the `uring` fixture)")
+    before = ENABLE_URING.read_text().strip()
+    ENABLE_URING.write_text("Y")
+    try:
+        mount = make_mount("--capacity", "1G", "--io-uring", "on", "--fsync")
+        directory = mount.mountpoint / "d"
+        directory.mkdir()
+        store_files(directory, 640, 65536, threads=16)
+        drop_caches()
+        assert_stored(directory, 640, 65536)
+        counters = stats(mount.mountpoint)
+        assert counters["handler_errors"] == 0
+        assert counters["commits"] == 640
+        assert_counters_exact(mount.mountpoint, mount.data)
+    finally:
+        ENABLE_URING.write_text(before)
