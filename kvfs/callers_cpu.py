@@ -31,6 +31,7 @@ import types
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
+import pyfuse3
 import trio
 
 log = logging.getLogger(__name__)
@@ -39,72 +40,70 @@ _MOVE_TO_LOOP = object()  # what a handler yields to its queue thread: resume me
 
 
 class RequestLock(trio.abc.Instrument):
-    """Held by the loop except while it waits for I/O, and by a queue thread while it runs a
-    handler (see the module's docstring). Installed with `start` on the loop."""
+    """The patched pyfuse3's request mutex: held by the loop except while it waits for I/O
+    (and while it replies to an io_uring queue), and around each io_uring request's callback
+    by the queue thread that runs it, taken before the GIL (see the module's docstring).
+    Installed with `start` on the loop."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._loop_thread: int | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
-        """On the loop: take the lock, and hand it over whenever the loop waits for I/O."""
-        self._lock.acquire()
+        """On the loop: take the mutex, and hand it over whenever the loop waits for I/O;
+        queue threads take it from now on."""
+        pyfuse3.request_lock_take()  # type: ignore[attr-defined]  # (the patch's functions)
         self._loop_thread = threading.get_ident()
         self._token = trio.lowlevel.current_trio_token()
         self._nursery = nursery
+        pyfuse3.serialize_requests(True)  # type: ignore[attr-defined]
         trio.lowlevel.add_instrument(self)
 
     def stop(self) -> None:
-        """On the loop, at the end: queue threads forward what comes after to the loop (which
-        answers it or, if it has ended, drops it)."""
+        """On the loop, at the end: requests that still come go to pyfuse3's own hand-off
+        to the loop (which drops them once it has ended)."""
         trio.lowlevel.remove_instrument(self)
+        pyfuse3.serialize_requests(False)  # type: ignore[attr-defined]
         self._loop_thread = None
-        self._lock.release()
+        pyfuse3.request_lock_give()  # type: ignore[attr-defined]
 
     def before_io_wait(self, timeout: float) -> None:
-        self._lock.release()
+        pyfuse3.request_lock_give()  # type: ignore[attr-defined]
 
     def after_io_wait(self, timeout: float) -> None:
-        self._lock.acquire()
-
-    def loop_replying(self, begins: bool) -> None:
-        """The loop's thread begins (ends) a reply to an io_uring queue, which waits for that
-        queue's thread: that thread may be waiting for this lock (patched pyfuse3 calls it;
-        the handler's work is done by then)."""
-        if begins:
-            self._lock.release()
-        else:
-            self._lock.acquire()
+        pyfuse3.request_lock_take()  # type: ignore[attr-defined]
 
     def off_loop_thread(self) -> bool:
         return self._loop_thread is not None and threading.get_ident() != self._loop_thread
 
     def run_here(self, handler: Coroutine[Any, Any, Any], answered: Callable[[], None]
-                 ) -> None:
-        """On a queue thread: run `handler` until it answers (then `answered()`, under the
-        lock) or must wait; then the loop resumes it."""
-        with self._lock:
-            if self._loop_thread is None:  # the loop has ended
-                handler.close()
-                return
-            try:
-                asked = handler.send(None)
-            except StopIteration:
-                answered()
-                return
-            except BaseException:  # (pyfuse3's handlers answer every error themselves)
-                log.exception("a request's handler failed on its queue thread")
-                return
+                 ) -> bool:
+        """On a queue thread, holding the mutex: run `handler` until it answers (then
+        `answered()`) or must wait; then the loop resumes it. False: not started (pyfuse3
+        hands the handler to the loop itself)."""
+        if self._loop_thread is None:
+            return False
+        try:
+            asked = handler.send(None)
+        except StopIteration:
+            answered()
+            return True
+        except BaseException:  # (pyfuse3's handlers answer every error themselves)
+            log.exception("a request's handler failed on its queue thread")
+            return True
         if asked is not _MOVE_TO_LOOP:  # (trio raises off its thread before any such yield)
             handler.close()
             raise RuntimeError(f"a handler waited on a queue thread for {asked!r}")
         self.to_loop(handler)
+        return True
 
-    def to_loop(self, handler: Coroutine[Any, Any, Any]) -> None:
+    def to_loop(self, handler: Coroutine[Any, Any, Any]) -> bool:
         """`handler`, not started or parked at `on_loop`, runs on in a task of the loop."""
+        if self._loop_thread is None:
+            return False
         self.call_soon(self._start_resumed, handler)
+        return True
 
     def call_soon(self, function: Callable[..., object], *args: object) -> None:
         assert self._token is not None

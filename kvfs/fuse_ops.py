@@ -300,7 +300,6 @@ class KvfsOperations(pyfuse3.Operations):
         # its queue thread: the caller's CPU (kvfs/callers_cpu.py; patched pyfuse3 reads it)
         if self.enable_io_uring and not meta.engine.shared:
             self.handle_now = self._handle_now
-            self.loop_replying = REQUEST_LOCK.loop_replying
         # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop
         # goes on to the next request while the kernel wakes the last one's caller
         self.reply_thread = not self.enable_io_uring
@@ -393,12 +392,12 @@ class KvfsOperations(pyfuse3.Operations):
         racing = self.notifier.changed_since(parent_inode, name, started)
         return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
 
-    def _handle_now(self, handler: Coroutine[Any, Any, Any]) -> None:
-        """A request's handler coroutine, on the io_uring queue thread that took it."""
+    def _handle_now(self, handler: Coroutine[Any, Any, Any]) -> bool:
+        """A request's handler coroutine, on the io_uring queue thread that took it; False:
+        pyfuse3 hands it to the loop (the mount is starting or ending)."""
         if getattr(handler, "__name__", "") in DATA_PATH_HANDLERS:
-            REQUEST_LOCK.to_loop(handler)
-        else:
-            REQUEST_LOCK.run_here(handler, self._answered_on_caller_cpu)
+            return REQUEST_LOCK.to_loop(handler)
+        return REQUEST_LOCK.run_here(handler, self._answered_on_caller_cpu)
 
     def _answered_on_caller_cpu(self) -> None:
         self.stats.answered_on_caller_cpu += 1
