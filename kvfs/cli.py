@@ -105,8 +105,8 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel FUSE passthrough where it is available (default auto)")
     parser.add_argument("--io-uring", choices=("on", "off"), default="off",
                         help="experimental: FUSE over io_uring where the kernel offers it "
-                             "(fuse module parameter enable_uring), lookups and getattrs "
-                             "answered on the caller's CPU (default off: /dev/fuse)")
+                             "(fuse module parameter enable_uring), requests answered on "
+                             "the caller's CPU (default off: /dev/fuse)")
     parser.add_argument("--cpu-latency", type=cpu_latency, default=None, metavar="US|off",
                         help="while requests flow, keep every CPU's wake-up latency under US "
                              "microseconds (the kernel's CPU latency QoS; 0: idle CPUs poll "

@@ -294,10 +294,10 @@ class KvfsOperations(pyfuse3.Operations):
         self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
         self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
         # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
-        # asks (--io-uring on): lookups and getattrs answered on the caller's CPU.
+        # asks (--io-uring on): lookups and getattrs answered on the caller's CPU, and on
+        # the embedded engine every request but the data path's run on its queue thread
+        # (kvfs/callers_cpu.py; the patched pyfuse3 reads `handle_now`)
         self.enable_io_uring = IO_URING and io_uring
-        # ... and there, on the embedded engine, every request but the data path's runs on
-        # its queue thread: the caller's CPU (kvfs/callers_cpu.py; patched pyfuse3 reads it)
         if self.enable_io_uring and not meta.engine.shared:
             self.handle_now = self._handle_now
         # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop

@@ -1,5 +1,5 @@
-"""FUSE over io_uring: lookups and getattrs answered on the caller's CPU, every other request
-handed to the loop, and the mount behaving exactly as over /dev/fuse.
+"""FUSE over io_uring: requests answered on the caller's CPU (those that must wait finish on
+the loop), and the mount behaving exactly as over /dev/fuse.
 
 The kernel offers io_uring to FUSE only where the fuse module's `enable_uring` is on; these
 tests turn it on for their own mounts and put it back after.
