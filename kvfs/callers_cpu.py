@@ -7,11 +7,14 @@ the kernel queues a request on its caller's CPU, where a thread of libfuse's wai
 kvfs's pyfuse3 patch gives that thread the request's handler coroutine (`handle_now`), and
 this module runs it there when it can:
 
-- **One at a time, as on the loop.** The loop holds the request lock (`RequestLock`) all
-  the time it runs, and lets go only while it waits for I/O (a trio instrument around the
-  wait). A queue thread runs a handler holding it: the handler sees the loop's state as a
-  task of the loop would, between two of the loop's steps. So handlers keep trio's rule
-  (nothing else runs between two awaits that do not suspend) whichever thread runs them.
+- **One at a time, as on the loop.** The loop holds the patch's request mutex
+  (`RequestLock`) all the time it runs, and lets go only while it waits for I/O (a trio
+  instrument around the wait) and while it replies to an io_uring queue (whose thread may
+  be waiting for the mutex). Each io_uring request's callback holds it, taken before the
+  GIL: a handler sees the loop's state as a task of the loop would, between two of the
+  loop's steps, so handlers keep trio's rule (nothing else runs between two awaits that do
+  not suspend) whichever thread runs them. (Before the GIL: a queue thread waiting for its
+  turn then does not take the GIL from the one serving at each of its system calls.)
 - **A handler that must wait goes to the loop.** Where a handler is about to suspend (a
   worker thread's call, a lock another holds, a trio wait), `await on_loop()` first; off the
   loop that parks the coroutine as it is and the loop resumes it, in a task of its own
@@ -92,10 +95,11 @@ class RequestLock(trio.abc.Instrument):
         except BaseException:  # (pyfuse3's handlers answer every error themselves)
             log.exception("a request's handler failed on its queue thread")
             return True
-        if asked is not _MOVE_TO_LOOP:  # (trio raises off its thread before any such yield)
+        if asked is _MOVE_TO_LOOP:
+            self.to_loop(handler)
+        else:  # (trio raises off its thread before it yields anything: a bug)
+            log.error("a handler waited on a queue thread for %r; its request is lost", asked)
             handler.close()
-            raise RuntimeError(f"a handler waited on a queue thread for {asked!r}")
-        self.to_loop(handler)
         return True
 
     def to_loop(self, handler: Coroutine[Any, Any, Any]) -> bool:
