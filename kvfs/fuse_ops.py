@@ -299,7 +299,7 @@ class KvfsOperations(pyfuse3.Operations):
         # (kvfs/callers_cpu.py; the patched pyfuse3 reads `handle_now`)
         self.enable_io_uring = IO_URING and io_uring
         if self.enable_io_uring and not meta.engine.shared:
-            self.handle_now = self._handle_now
+            self.handle_now = self._on_queue_thread
         # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop
         # goes on to the next request while the kernel wakes the last one's caller
         self.reply_thread = not self.enable_io_uring
@@ -392,7 +392,7 @@ class KvfsOperations(pyfuse3.Operations):
         racing = self.notifier.changed_since(parent_inode, name, started)
         return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
 
-    def _handle_now(self, handler: Coroutine[Any, Any, Any]) -> bool:
+    def _on_queue_thread(self, handler: Coroutine[Any, Any, Any]) -> bool:
         """A request's handler coroutine, on the io_uring queue thread that took it; False:
         pyfuse3 hands it to the loop (the mount is starting or ending)."""
         if getattr(handler, "__name__", "") in DATA_PATH_HANDLERS:

@@ -156,7 +156,9 @@ def test_stores_are_answered_on_the_callers_cpu(uring: KvfsMount) -> None:
         directory.mkdir()
         before = stats(uring.mountpoint)["answered_on_caller_cpu"]
         store_files(directory, stores, 4096, cpu=cpu)
-        assert stats(uring.mountpoint)["answered_on_caller_cpu"] - before >= 4 * stores
+        # (and counted once each: a few lookups or getattrs of the directory may come too)
+        answered = stats(uring.mountpoint)["answered_on_caller_cpu"] - before
+        assert 4 * stores <= answered < 5 * stores
         drop_caches()
         assert_stored(directory, stores, 4096)
     assert stats(uring.mountpoint)["handler_errors"] == 0
