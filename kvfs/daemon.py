@@ -223,12 +223,13 @@ class Daemon:
             if self.cpu_latency is not None:
                 nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)
-            if hasattr(self.operations, "handle_now"):
+            on_queue_threads = hasattr(self.operations, "handle_now")  # (io_uring, LMDB)
+            if on_queue_threads:
                 REQUEST_LOCK.start(nursery)
             try:
                 await pyfuse3.main()
             finally:
-                if hasattr(self.operations, "handle_now"):
+                if on_queue_threads:
                     REQUEST_LOCK.stop()
             nursery.cancel_scope.cancel()
 

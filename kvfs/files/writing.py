@@ -272,10 +272,9 @@ class WritingOps(RetiringOps):
 
     async def _published_by_publisher(self, staged: StagedFile) -> None:
         """Return once the publisher is done with `staged` (at once if it never had it)."""
-        if staged.blob_id in self._published_later:
-            await on_loop()
         queued = self._published_later.get(staged.blob_id)
         if queued is not None:
+            await on_loop()  # (an event set meanwhile returns at once)
             await queued.wait()
 
     def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,
