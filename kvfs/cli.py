@@ -117,9 +117,8 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                              "them, any alignment, at Python speed (default %(default)s)")
     parser.add_argument("--spares", type=SpareMode, choices=list(SpareMode),
                         default=MountConfig.spares,
-                        help="writers' staged files made ahead in a worker thread: auto (where "
-                             "the volume is slow to create files, and on a shared pool), on, off "
-                             "(default %(default)s)")
+                        help="writers' staged files made ahead by the volume helper process: "
+                             "on, off (default %(default)s)")
     parser.add_argument("--prefetch", type=size_or_zero, default=MountConfig.prefetch_bytes,
                         metavar="SIZE",
                         help="read and verify chunks in the background when an engine looks "

@@ -38,6 +38,7 @@ from kvfs.space import Space
 from kvfs.stats import Stats
 from kvfs.verify import VerifyMode
 from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
+from kvfs.volume_helper import VolumeHelper
 
 log = logging.getLogger("kvfs")
 
@@ -70,7 +71,7 @@ class MountConfig:
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
     io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
-    spares: SpareMode = SpareMode.AUTO  # staged files made ahead (kvfs/files/spares.py)
+    spares: SpareMode = SpareMode.ON  # staged files made ahead (kvfs/files/spares.py)
     cpu_latency_us: int | None = None  # CPU wake-up limit while requests flow; None: none
 
 
@@ -136,9 +137,11 @@ class Daemon:
             "--verify always" if config.verify is VerifyMode.ALWAYS
             else "" if config.passthrough else "--passthrough off",
             o_direct=config.odirect == "kernel")
+        self.helper = start_volume_helper()
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                self.passthrough, self.session, config.verify,
-                               config.prefetch_bytes, config.spares,
+                               config.prefetch_bytes, self.helper,
+                               config.spares is SpareMode.ON,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.files.verifier.load(self.volume.verified_path(self.shared))
@@ -259,6 +262,8 @@ class Daemon:
         except FsError as error:  # a shared engine out of reach: others finish the work
             log.error("unmounted without finishing (%s): recovery, or another host, "
                       "completes it", error)
+        if self.helper is not None:
+            self.helper.close()
         try:
             self.files.verifier.save(self.volume.verified_path(self.shared))
         except OSError as error:
@@ -275,6 +280,17 @@ class Daemon:
         except (OSError, FsError) as error:
             log.warning("leaving the pool: %s (another host cleans up after this session)",
                         error)
+
+
+def start_volume_helper() -> VolumeHelper | None:
+    """The volume helper process (kvfs/volume_helper.py); None if it cannot start: the loop
+    then creates writers' staged files and publishes their blobs itself."""
+    try:
+        return VolumeHelper()
+    except OSError as error:
+        log.warning("the volume helper process cannot start (%s): the request loop creates "
+                    "and publishes staged files itself", error)
+        return None
 
 
 def run(config: MountConfig) -> None:

@@ -6,9 +6,9 @@ Layout under the data directory:
     staging/<id as 16 hex>                        content being committed by a handle
     staging/<session>/<id as 16 hex>              the same, of one host of a shared pool
 
-A writer fills a staging file, unnamed (O_TMPFILE, made ahead: kvfs/files/spares.py) until
-its commit links it into staging/; committing publishes it (rename into blobs/) right after
-the metadata commit that makes it visible. A committed blob whose publication failed stays in
+A writer fills a staging file (made ahead by the volume helper: kvfs/files/spares.py);
+committing publishes it (rename into blobs/) after the metadata commit that makes it visible,
+by the publisher (kvfs/files/writing.py). A committed blob whose publication failed stays in
 staging/ (readers find it there) until a later flush, release or recovery publishes it: staged
 data is deleted only while no commit names it. After a crash, `recover` rolls forward staging
 files the metadata already names and deletes the rest, so nothing leaks and no data file is
@@ -47,8 +47,6 @@ ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own le
 FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
 FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
-AT_FDCWD = -100  # linux/fcntl.h
-AT_SYMLINK_FOLLOW = 0x400
 SUMS_AT_CLOSE_MAX = 64 << 10  # kernel-written files up to this size are hashed at their close
 READ_WHOLE_MAX = 64 << 10  # files up to this size are hashed without looking for holes
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
@@ -209,20 +207,6 @@ class DataStore:
 
     def create_staging(self, blob_id: int) -> int:
         return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-
-    def create_unnamed(self) -> int:
-        """A file without a name in the staging directory (O_TMPFILE): gone with its last
-        descriptor unless `name_staged` links it first."""
-        return os.open(self.staging_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-
-    def name_staged(self, fd: int, blob_id: int) -> None:
-        """Give an unnamed staged file its staging name (before the commit that names its
-        blob: recovery finds committed blobs there)."""
-        # (os.link follows no /proc link without a directory descriptor: linkat itself)
-        if _libc.linkat(AT_FDCWD, f"/proc/self/fd/{fd}".encode(), AT_FDCWD,
-                        os.fsencode(self.staging_path(blob_id)), AT_SYMLINK_FOLLOW):
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error), self.staging_path(blob_id))
 
     def stage_again(self, blob_id: int, published: bool, new_id: int) -> int:
         """A second name in staging/ for a committed blob's file, to commit it anew: the
@@ -389,13 +373,12 @@ class StagedFile:
     it into blobs/ (`published`). Once committed, the staged file is never deleted here."""
 
     def __init__(self, store: DataStore, blob_id: int, base_fd: int | None,
-                 base: BlobInfo | None, fd: int | None = None, named: bool = True) -> None:
-        """`fd`: the file to stage in (`named`: at its staging path already); None: a new
-        one is created there."""
+                 base: BlobInfo | None, fd: int | None = None) -> None:
+        """`fd`: the file to stage in, at the blob's staging path already (a spare); None: a
+        new one is created there."""
         self.store = store
         self.blob_id = blob_id
         self.fd = store.create_staging(blob_id) if fd is None else fd
-        self.named = named or fd is None
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
@@ -591,8 +574,8 @@ class StagedFile:
 
     def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
         """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be
-        taken after the commit), flush if asked, give an unnamed file its staging name; the
-        blob is final. Idempotent until the next change."""
+        taken after the commit), flush if asked; the blob is final. Idempotent until the next
+        change."""
         if self._finished is not None:
             return self._finished
         self.materialize()
@@ -605,9 +588,6 @@ class StagedFile:
             sums, pending = block_sums(self.fd, self.size, self.sums), False
         if self.store.fsync:
             os.fdatasync(self.fd)
-        if not self.named:
-            self.store.name_staged(self.fd, self.blob_id)
-            self.named = True
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
                                   pending)
         return self._finished
@@ -625,6 +605,14 @@ class StagedFile:
             self.store.publish(self.blob_id)  # (a rename moves the ctime, not what _seen holds)
             self.published = True
 
+    def publishing_paths(self) -> tuple[str, str]:
+        """(where it is staged, where it is published): for another process to rename."""
+        return self.store.staging_path(self.blob_id), self.store.path(self.blob_id)
+
+    def published_elsewhere(self) -> None:
+        """Another process renamed it (`publishing_paths`)."""
+        self.published = True
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -632,7 +620,7 @@ class StagedFile:
         """Close; delete the staged data unless a commit names it (then recovery or a
         later flush publishes it)."""
         self.close()
-        if self.named and not self.committed:
+        if not self.committed:
             self.store.discard_staging(self.blob_id)
 
 

@@ -76,9 +76,7 @@ class LmdbWriter:
     def __init__(self, path: Path, map_size: int, families: tuple[str, ...]) -> None:
         self._command = [sys.executable, "-m", "kvfs.lmdb_writer", str(path), str(map_size),
                          ",".join(families)]
-        # This package, whatever the interpreter would import (a checkout beside another).
-        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(kvfs.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+        self._env = kvfs.child_environment()
         self._process = self._start()
 
     def _start(self) -> subprocess.Popen[bytes]:

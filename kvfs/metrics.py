@@ -19,6 +19,8 @@ GAUGES = {
     "capacity_bytes": "Bytes the mount may use",
     "used_bytes": "Bytes in use (committed plus being written)",
     "files": "Files in the mount",
+    "spare_staged_files": "Empty staged files made ahead for writers",
+    "blobs_publishing": "Committed blobs not yet moved into blobs/ (readers find them staged)",
 }
 COUNTERS = {
     "lookup_hits": "Lookups of existing names that reached the daemon",

@@ -105,6 +105,8 @@ class Stats:
     sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
     sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
     blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
+    spare_staged_files: int = 0  # empty staged files made ahead for writers (kvfs/files/spares.py)
+    blobs_publishing: int = 0  # committed blobs the publisher has yet to move into blobs/
     cpu_latency_held_seconds: float = 0.0  # CPUs kept quick to wake (--cpu-latency)
     requests: RequestTimes = field(default_factory=RequestTimes)
 

@@ -55,6 +55,14 @@ def daemon_pid(data: Path, mountpoint: Path | None = None) -> int:
     return Volume(data).daemon_pid(mountpoint.resolve())
 
 
+def helper_pid(daemon: int) -> int:
+    """The daemon's volume helper process (kvfs/volume_helper.py)."""
+    children = Path(f"/proc/{daemon}/task/{daemon}/children").read_text().split()
+    (pid,) = [int(child) for child in children
+              if b"kvfs.volume_helper" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    return pid
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -95,8 +103,12 @@ def assert_counters_exact(mountpoint: Path, data: Path) -> None:
     assert shown == counted, f"counters {shown} != recount {counted}"
 
 
-def blob_files(data: Path) -> list[Path]:
-    """The published data files of a kvfs volume."""
+def blob_files(volume: KvfsMount | Path) -> list[Path]:
+    """The published data files of a kvfs volume; of a live mount's, once its publisher has
+    moved every blob committed so far (a close leaves that to it: kvfs/files/writing.py)."""
+    if isinstance(volume, KvfsMount) and volume.pid:
+        assert wait_for(lambda: not stats(volume.mountpoint)["blobs_publishing"], 10)
+    data = volume.data if isinstance(volume, KvfsMount) else volume
     return sorted(p for p in (data / "blobs").glob("*/*") if p.is_file())
 
 
@@ -148,6 +160,25 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+def assert_only_spares_staged(data: Path, *live: KvfsMount) -> None:
+    """staging/ (every host's) holds nothing but the spares of the live mounts `live`
+    (kvfs/files/spares.py): empty files, as many as their stats count; after unmount, nothing.
+    Waited for: a mount counts a batch of spares once its volume helper has made it."""
+    def leftover() -> list[str]:
+        sizes = []
+        for path in (data / "staging").rglob("*"):
+            with contextlib.suppress(FileNotFoundError):  # (taken and published meanwhile)
+                if path.is_file():
+                    sizes.append((path, path.stat().st_size))
+        written = [str(path) for path, size in sizes if size]
+        empty = len(sizes) - len(written)
+        spares = sum(stats(mount.mountpoint)["spare_staged_files"] for mount in live)
+        return written + ([f"{empty} empty staged files, {spares} spares"]
+                          if empty != spares else [])
+
+    assert wait_for(lambda: not leftover(), 10), leftover()
 
 
 def wait_dead(pid: int, timeout: float = 20.0) -> bool:

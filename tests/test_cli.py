@@ -411,9 +411,9 @@ def test_fsck_clean_volume(filled: KvfsMount) -> None:
     result = fsck(filled.data)
     assert result.returncode == 0, output(result)
     assert "clean" in output(result)
-    before = {p: p.stat().st_size for p in blob_files(filled.data)}
+    before = {p: p.stat().st_size for p in blob_files(filled)}
     assert fsck(filled.data, "--repair").returncode == 0
-    assert {p: p.stat().st_size for p in blob_files(filled.data)} == before
+    assert {p: p.stat().st_size for p in blob_files(filled)} == before
 
 
 def test_fsck_refuses_while_mounted(make_mount: Callable[..., KvfsMount]) -> None:
@@ -451,7 +451,7 @@ def test_fsck_finds_and_drops_corrupt_blob(filled: KvfsMount) -> None:
     assert not filled.victim_blob.exists()  # type: ignore[attr-defined]
     st = os.statvfs(filled.mountpoint)
     used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    assert used == sum(allocated(p) for p in blob_files(filled.data))
+    assert used == sum(allocated(p) for p in blob_files(filled))
 
 
 def test_fsck_finds_and_drops_truncated_blob(filled: KvfsMount) -> None:
@@ -515,7 +515,7 @@ def _damaged_file_named(volume: KvfsMount, name: str) -> None:
     write_file(volume.mountpoint / name, os.urandom(50_000))
     volume.unmount()
     known = {volume.victim_blob}  # type: ignore[attr-defined]
-    new = [p for p in blob_files(volume.data) if p not in known and p.stat().st_size == 50_000]
+    new = [p for p in blob_files(volume) if p not in known and p.stat().st_size == 50_000]
     assert len(new) == 1
     flip_byte(new[0], 10)
 

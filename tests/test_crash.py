@@ -25,6 +25,7 @@ import pytest
 from conftest import (
     KvfsMount,
     allocated,
+    assert_only_spares_staged,
     blob_files,
     drop_caches,
     is_mounted,
@@ -76,7 +77,7 @@ def assert_no_leak(volume: KvfsMount) -> None:
     files of what was just dropped are deleted (the reaper does that in a worker thread)."""
     def blob_and_visible_bytes() -> tuple[int, int]:
         on_volume = 0
-        for path in blob_files(volume.data):
+        for path in blob_files(volume):
             with contextlib.suppress(FileNotFoundError):  # deleted since it was listed
                 on_volume += path.stat().st_size
         return on_volume, sum(visible_files(volume.mountpoint).values())
@@ -85,8 +86,8 @@ def assert_no_leak(volume: KvfsMount) -> None:
     on_volume, visible = blob_and_visible_bytes()
     assert on_volume == visible, f"{on_volume} bytes of blob files, {visible} bytes visible"
     assert statvfs_used(volume.mountpoint) == round_up(
-        sum(allocated(p) for p in blob_files(volume.data)))
-    assert list((volume.data / "staging").iterdir()) == []
+        sum(allocated(p) for p in blob_files(volume)))
+    assert_only_spares_staged(volume.data, volume)
 
 
 def fsck_clean(volume: KvfsMount) -> None:
@@ -372,7 +373,7 @@ def test_kill9_under_load_recovers_consistently(
         volume.mount()
         done, started, reads, bad = journal_versions(group.logs)
         assert not bad, bad
-        assert list((volume.data / "staging").iterdir()) == []
+        assert_only_spares_staged(volume.data, volume)
         files = visible_files(root)
         for relative, size in files.items():
             content = (root / relative).read_bytes()
@@ -406,10 +407,10 @@ def three_files(kvfs: KvfsMount) -> dict[str, tuple[Path, bytes]]:
     made = {}
     for name, size in (("victim", 3 * MiB + 5), ("other", 2 * MiB), ("small", 70_000)):
         data = os.urandom(size)
-        before = set(blob_files(kvfs.data))
+        before = set(blob_files(kvfs))
         (kvfs.mountpoint / "d").mkdir(exist_ok=True)
         (kvfs.mountpoint / "d" / name).write_bytes(data)
-        (blob,) = set(blob_files(kvfs.data)) - before
+        (blob,) = set(blob_files(kvfs)) - before
         assert blob.stat().st_size == size
         made[name] = (blob, data)
     return made

@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from conftest import KvfsMount, assert_counters_exact, stats
+from conftest import KvfsMount, assert_counters_exact, assert_only_spares_staged, stats
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -927,8 +927,7 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
                      for relative, entry in tree(self.ours, plain=False).items()
                      if entry[0] == "file"}
             assert used == sum(taken.values())
-            assert [path for path in (self.mount.data / "staging").rglob("*")
-                    if not path.is_dir()] == []
+            assert_only_spares_staged(self.mount.data, self.mount)
         finally:
             clear(self.ours)
             clear(self.theirs)

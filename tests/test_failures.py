@@ -11,13 +11,23 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, assert_counters_exact, blob_files, blob_shards_broken, stats
+from conftest import (
+    KvfsMount,
+    assert_counters_exact,
+    assert_only_spares_staged,
+    blob_files,
+    blob_shards_broken,
+    helper_pid,
+    stats,
+    wait_for,
+)
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -160,7 +170,7 @@ def test_unreadable_blob_fails_that_file_only(kvfs: KvfsMount) -> None:
     readahead that met it wakes whoever waited."""
     root = kvfs.mountpoint
     fill_pool(root)
-    victim_blob = max(blob_files(kvfs.data), key=lambda p: p.stat().st_size)  # a/big
+    victim_blob = max(blob_files(kvfs), key=lambda p: p.stat().st_size)  # a/big
     kvfs.remount()  # nothing cached
     victim_blob.unlink()
     victim_blob.mkdir()
@@ -186,7 +196,7 @@ def test_blob_changed_behind_kvfs_during_readahead(kvfs: KvfsMount) -> None:
     for name, payload in payloads.items():
         (root / name).write_bytes(payload)
     kvfs.remount()
-    blobs = {name: blob for name, blob in zip(payloads, blob_files(kvfs.data), strict=True)}
+    blobs = {name: blob for name, blob in zip(payloads, blob_files(kvfs), strict=True)}
     with open(root / "deleted", "rb") as reader:
         head = reader.read(1 << 20)
         blobs["deleted"].unlink()
@@ -201,24 +211,35 @@ def test_blob_changed_behind_kvfs_during_readahead(kvfs: KvfsMount) -> None:
 
 
 def test_failed_publish_keeps_the_committed_blob(kvfs: KvfsMount) -> None:
-    """If moving a committed blob into blobs/ fails, close reports EIO, but the data stays
-    readable (from staging/), a retried flush neither recommits nor deletes it, and the next
-    mount's recovery publishes it."""
+    """If moving a committed blob into blobs/ fails, the data stays readable (from staging/)
+    and the next mount's recovery publishes it. The volume helper's publisher moves it after
+    the close, which has succeeded: the failure is logged and counted. Without a helper (it
+    died) the close moves it itself and reports EIO, and a retried flush neither recommits
+    nor deletes it."""
     root = kvfs.mountpoint
     (root / "bystander").write_bytes(b"b" * MiB)
+    blob_files(kvfs)  # (published: its shard is not broken below)
+    payloads = {"new": os.urandom(3 * MiB), "alone": os.urandom(MiB)}
     with blob_shards_broken(kvfs.data):
-        payload = os.urandom(3 * MiB)
-        fd = os.open(root / "new", os.O_WRONLY | os.O_CREAT, 0o644)
-        os.write(fd, payload)
+        (root / "new").write_bytes(payloads["new"])  # the publisher's failure, not the close's
+        assert wait_for(lambda: stats(root)["volume_errors"] == 1)
+        os.kill(helper_pid(kvfs.pid), signal.SIGKILL)
+        (root / "probe").write_bytes(b"p")  # (its publishing finds the helper gone)
+        assert wait_for(lambda: "the volume helper process is gone"
+                        in (kvfs.data / "kvfs.log").read_text())
+        fd = os.open(root / "alone", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, payloads["alone"])
         assert errno_of(os.close, os.dup(fd)) == errno.EIO  # flush: committed, not published
         assert errno_of(os.close, fd) == errno.EIO  # the retried flush fails the same way
-        assert (root / "new").read_bytes() == payload
+        for name, payload in payloads.items():
+            assert (root / name).read_bytes() == payload
         assert (root / "bystander").read_bytes() == b"b" * MiB
         assert_counters_exact(root, kvfs.data)
-        assert stats(root)["volume_errors"] >= 2
-    kvfs.remount()  # recovery publishes it
-    assert (root / "new").read_bytes() == payload
-    assert list((kvfs.data / "staging").iterdir()) == []
+        assert stats(root)["volume_errors"] >= 3
+    kvfs.remount()  # recovery publishes them
+    for name, payload in payloads.items():
+        assert (root / name).read_bytes() == payload
+    assert_only_spares_staged(kvfs.data, kvfs)
     kvfs.unmount()
     fsck_clean(kvfs.data)
 

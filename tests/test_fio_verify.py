@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount
+from conftest import KvfsMount, assert_only_spares_staged
 
 MiB = 1 << 20
 JOB_SIZE = 24 * MiB
@@ -100,7 +100,7 @@ def test_fio_writes_verify_exactly(make_mount: Callable[..., KvfsMount], tmp_pat
     assert files == expected
     for name in files:
         assert (volume.mountpoint / name).stat().st_size == JOB_SIZE
-    assert list((volume.data / "staging").iterdir()) == []
+    assert_only_spares_staged(volume.data, volume)
     st = os.statvfs(volume.mountpoint)
     assert (st.f_blocks - st.f_bfree) * st.f_frsize == total
 

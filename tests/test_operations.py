@@ -169,7 +169,7 @@ def test_prewarm_serves_later_reads_from_memory(make_mount, passthrough: str) ->
     else:  # once from the volume, once into the kernel page cache
         assert (warmed["verified_bytes"], warmed["bytes_read"]) == (0, 2 * 12 * MiB)
     # What the kernel evicted meanwhile (this VM hands idle memory back) is checked again.
-    evicted = sum(blob.stat().st_size for blob in blob_files(kvfs.data)
+    evicted = sum(blob.stat().st_size for blob in blob_files(kvfs)
                   if resident_bytes(blob) < blob.stat().st_size)
     for index in range(3):
         (kvfs.mountpoint / "chunks" / f"c{index}.data").read_bytes()

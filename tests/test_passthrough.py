@@ -130,7 +130,7 @@ def test_verify_open_checks_every_open_of_a_file_not_wholly_in_memory(
     payloads = write_chunks(root)
     kvfs.remount()
     drop_caches()
-    data_files = {len(payload): path for path in blob_files(kvfs.data)
+    data_files = {len(payload): path for path in blob_files(kvfs)
                   for payload in payloads.values() if path.stat().st_size == len(payload)}
     checked_opens = checked_bytes = 0
     for _ in range(3):
@@ -149,7 +149,7 @@ def test_verify_open_checks_every_open_of_a_file_not_wholly_in_memory(
     # Every O_DIRECT open; the first buffered round, and then only a chunk paged out.
     assert (checked_opens == 9) if flags else (3 <= checked_opens < 9)
     if flags:
-        assert all(resident_bytes(path) == 0 for path in blob_files(kvfs.data))
+        assert all(resident_bytes(path) == 0 for path in blob_files(kvfs))
     else:
         drop_caches()  # evicted from memory: the next open verifies again
         read_all(root, {"c0": payloads["c0"]})
@@ -192,7 +192,7 @@ def test_damage_found_at_open_is_eio_and_drops_the_file(passthrough: KvfsMount) 
     root = passthrough.mountpoint
     (root / "victim").write_bytes(os.urandom(5 * MiB))
     (root / "bystander").write_bytes(b"b" * MiB)
-    victim_blob = max(blob_files(passthrough.data), key=lambda p: p.stat().st_size)
+    victim_blob = max(blob_files(passthrough), key=lambda p: p.stat().st_size)
     passthrough.remount()
     with open(victim_blob, "r+b") as blob:
         blob.seek(4 * MiB + 7)

@@ -10,11 +10,11 @@ here has 8 GiB. Skipped where passthrough is not available (see test_passthrough
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import multiprocessing
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -26,22 +26,22 @@ from pathlib import Path
 import lmdb
 import pyfuse3
 import pytest
-import trio
 from conftest import (
     KvfsMount,
     assert_counters_exact,
+    assert_only_spares_staged,
     blob_files,
     blob_shards_broken,
     drop_caches,
+    helper_pid,
     stats,
+    wait_dead,
     wait_for,
 )
 from test_crash import fsck_clean
 from test_passthrough import errno_of, read_all
 
-from kvfs.data import DataStore
 from kvfs.engine import LmdbEngine
-from kvfs.files.spares import CREATES_TIMED, SLOW_CREATE_SECONDS, SpareFiles, SpareMode
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 from kvfs.records import SUMS_PENDING
 
@@ -236,8 +236,8 @@ def test_a_syncing_close_leaves_the_publishing_to_the_background(make_mount) -> 
         os.close(fd)
     expected["f"] = b"1" * 5 + b"2" * 100 + b"1" * (MiB - 105)
     assert (root / "f").read_bytes() == expected["f"]
-    assert wait_for(lambda: not list((kvfs.data / "staging").iterdir()))
-    assert len(blob_files(kvfs.data)) == len(expected)
+    assert_only_spares_staged(kvfs.data, kvfs)
+    assert len(blob_files(kvfs)) == len(expected)
     with blob_shards_broken(kvfs.data):
         for index in range(8):
             (root / f"late{index}").write_bytes(f"late {index}".encode())  # closes succeed
@@ -247,7 +247,7 @@ def test_a_syncing_close_leaves_the_publishing_to_the_background(make_mount) -> 
             assert (root / name).read_bytes() == payload, name
         assert_counters_exact(root, kvfs.data)
     kvfs.remount()  # recovery publishes what the publisher could not
-    assert not list((kvfs.data / "staging").iterdir())
+    assert_only_spares_staged(kvfs.data, kvfs)
     for name, payload in expected.items():
         assert (root / name).read_bytes() == payload, name
     assert stats(root)["handler_errors"] == 0
@@ -434,7 +434,7 @@ def test_crash_during_a_kernel_write_loses_only_that_write(roomy: KvfsMount) -> 
         writer.kill()
         writer.wait()
     roomy.mount()
-    assert not list((roomy.data / "staging").iterdir()), "the staged write was discarded"
+    assert_only_spares_staged(roomy.data, roomy)  # the staged write was discarded
     drop_caches()
     assert (root / "f").read_bytes() == b"old"
     assert (root / "new").read_bytes() == b"", "created, never committed: empty"
@@ -467,7 +467,7 @@ def test_sums_are_taken_after_close_and_guard_the_data(roomy: KvfsMount) -> None
     for name, payload in payloads.items():
         (root / name).write_bytes(payload)
     assert wait_for(lambda: stats(root)["hashed_after_close"] == 3)
-    victim = max(blob_files(roomy.data), key=lambda p: p.stat().st_size)
+    victim = max(blob_files(roomy), key=lambda p: p.stat().st_size)
     roomy.unmount()
     with open(victim, "r+b") as blob:
         blob.seek(MiB + 3)
@@ -508,7 +508,7 @@ def test_a_blob_without_sums_of_the_wrong_size_is_eio_at_open(roomy: KvfsMount) 
     # The kernel sends the writer's RELEASE after close() returns. Until kvfs has it, a
     # change of the data file is the writer's (through a mapping, say), committed then.
     assert wait_for(lambda: stats(root)["blobs_held"] == 0)
-    [data_file] = blob_files(roomy.data)
+    [data_file] = blob_files(roomy)
     os.truncate(data_file, MiB)
     assert errno_of((root / "victim").read_bytes) == errno.EIO
     assert wait_for(lambda: not (root / "victim").exists())
@@ -592,89 +592,89 @@ sys.stdin.read()
 """
 
 
-def unnamed_staged_files(pid: int, data: Path) -> int:
-    """The daemon's open files in the staging directory that have no name (O_TMPFILE: the
-    kernel shows them as `staging/#<inode> (deleted)`)."""
-    unnamed = str(data.resolve() / "staging") + "/#"
-    count = 0
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
-            count += os.readlink(link).startswith(unnamed)
-    return count
+def spare_names(data: Path) -> set[str]:
+    return {path.name for path in (data / "staging").iterdir() if not path.stat().st_size}
 
 
 def test_without_spares_each_writer_creates_its_staged_file(make_mount) -> None:
-    """`--spares off` (and auto where creates are quick): nothing is made ahead; each
-    writer's open creates its staged file, named in staging/ while it is open and gone from
-    there once committed; a crash with writers open leaves nothing after recovery."""
+    """`--spares off`: nothing is made ahead; each writer's open creates its staged file,
+    named in staging/ while it is open and gone from there once committed; a crash with
+    writers open leaves nothing after recovery."""
     kvfs = passthrough_mount(make_mount, "--spares", "off")
 
     def while_open() -> None:
-        assert unnamed_staged_files(kvfs.pid, kvfs.data) == 0
+        assert stats(kvfs.mountpoint)["spare_staged_files"] == 0
+        blob_files(kvfs)  # (the closed ones' are published)
         assert len(list((kvfs.data / "staging").iterdir())) == 8, "the open writers' files"
 
     crash_with_writers_open(kvfs, while_open)
 
 
-def test_spares_come_where_creates_are_slow_and_go_where_they_are_quick(tmp_path: Path
-                                                                       ) -> None:
-    """`--spares auto`'s rule, on a real data store: spares are made once the quickest of
-    the loop's last CREATES_TIMED creates was slow (timings given here: a slow volume cannot
-    be had on demand), and stop once spares are made quickly (here: in under a second, which
-    this VM's disk does even right after large deletions), after they were made for a while
-    (here 0.5 s)."""
-    spares = SpareFiles(DataStore(tmp_path), SpareMode.AUTO, hold_seconds=0.5, quick_seconds=1.0)
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(spares.run)
-            for _ in range(CREATES_TIMED):
-                spares.created(SLOW_CREATE_SECONDS / 4)
-            for _ in range(CREATES_TIMED - 1):
-                spares.created(SLOW_CREATE_SECONDS * 4)
-            spares.created(SLOW_CREATE_SECONDS / 4)  # one quick among slow ones: quick yet
-            await trio.sleep(0.1)
-            assert not spares.making and spares.take() is None
-            for _ in range(CREATES_TIMED):
-                spares.created(SLOW_CREATE_SECONDS * 4)
-            assert spares.making
-            with trio.fail_after(10):
-                while (spare := spares.take()) is None:
-                    await trio.sleep(0.01)
-            os.close(spare)
-            started = trio.current_time()
-            with trio.fail_after(10):  # made quickly: the loop creates again, after the hold
-                while spares.making:
-                    spares.take()  # (takes wake the maker up)
-                    await trio.sleep(0.01)
-            assert trio.current_time() - started >= 0.4
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-
-
-def test_writers_stage_in_unnamed_spares_and_a_crash_leaves_nothing(make_mount) -> None:
-    """Where spares are made (`--spares on`; auto where creates are slow), a writer's open
-    creates no file on the volume: it takes a spare made ahead, unnamed, which its commit
-    names and publishes. Open writers leave no name in staging/, a crash leaves nothing to
-    recover, and the committed files are whole."""
-    roomy = passthrough_mount(make_mount, "--spares", "on")
+def test_writers_stage_in_spares_the_helper_made_and_a_crash_leaves_nothing(make_mount
+                                                                           ) -> None:
+    """By default the volume helper process makes staged files ahead (`staging/<blob id>`,
+    empty, as many as the stats say): a writer's open takes one and creates nothing on the
+    volume. The helper dies with its daemon; after a crash with writers open, recovery
+    deletes the spares and the uncommitted writes, the committed files are whole, and the
+    new mount makes new spares."""
+    roomy = passthrough_mount(make_mount)
     root = roomy.mountpoint
-    assert wait_for(lambda: unnamed_staged_files(roomy.pid, roomy.data) >= 32)
+    assert wait_for(lambda: stats(root)["spare_staged_files"] >= 32)
+    assert_only_spares_staged(roomy.data, roomy)
     assert stats(root)["used_bytes"] == 0, "spares take no room"
+    made_ahead = spare_names(roomy.data)
+    helper = helper_pid(roomy.pid)
 
     def while_open() -> None:
         shown = stats(root)  # (the first eight fill the kernel writers' share of the pool)
         assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (8, 8)
-        assert list((roomy.data / "staging").iterdir()) == [], "eight writers, no name"
+        written = {path.name for path in (roomy.data / "staging").iterdir()
+                   if path.stat().st_size}
+        assert len(written) == 8 and written <= made_ahead, "the open writers took spares"
 
-    crash_with_writers_open(roomy, while_open)
+    crash_with_writers_open(roomy, while_open, helper)
+    roomy.mount()
+    assert wait_for(lambda: stats(root)["spare_staged_files"] >= 32)
+    assert not spare_names(roomy.data) & made_ahead, "the old spares were deleted"
 
 
-def crash_with_writers_open(kvfs: KvfsMount, while_open: Callable[[], None]) -> None:
+def test_stores_go_on_when_the_volume_helper_dies(make_mount) -> None:
+    """If the volume helper process ends, writers create their own staged files and the
+    loop publishes: stores go on, whole, counters exact, and a remount has a helper again."""
+    kvfs = passthrough_mount(make_mount)
+    root = kvfs.mountpoint
+    assert wait_for(lambda: stats(root)["spare_staged_files"] >= 32)
+    expected = {}
+    for index in range(8):
+        expected[f"before{index}"] = os.urandom(4096)
+        (root / f"before{index}").write_bytes(expected[f"before{index}"])
+    os.kill(helper_pid(kvfs.pid), signal.SIGKILL)
+    for index in range(200):  # through the spares left, then without
+        expected[f"after{index}"] = os.urandom(4096)
+        (root / f"after{index}").write_bytes(expected[f"after{index}"])
+    for name, payload in expected.items():
+        assert (root / name).read_bytes() == payload, name
+    shown = stats(root)
+    assert (shown["commits"], shown["spare_staged_files"], shown["handler_errors"],
+            shown["volume_errors"]) == (len(expected), 0, 0, 0)
+    assert len(blob_files(kvfs)) == len(expected), "every blob published"
+    assert_only_spares_staged(kvfs.data, kvfs)
+    assert_counters_exact(root, kvfs.data)
+    assert "the volume helper process is gone" in (kvfs.data / "kvfs.log").read_text()
+    kvfs.remount()
+    assert wait_for(lambda: stats(root)["spare_staged_files"] >= 32)
+    assert helper_pid(kvfs.pid)
+    kvfs.unmount()
+    assert_only_spares_staged(kvfs.data)
+    fsck_clean(kvfs)
+
+
+def crash_with_writers_open(kvfs: KvfsMount, while_open: Callable[[], None],
+                            helper: int | None = None) -> None:
     """WRITERS_SCRIPT's sixteen writers, eight of them closed; `while_open` looks at the
-    mount then; the daemon is killed (-9) with eight writers open. After a new mount: staging/
-    empty, the closed files whole, the open ones empty, counters exact, fsck clean."""
+    mount then; the daemon is killed (-9) with eight writers open (and its `helper` process
+    dies with it). After a new mount: nothing staged but its spares, the closed files whole,
+    the open ones empty, counters exact, fsck clean."""
     root = kvfs.mountpoint
     writers = subprocess.Popen([sys.executable, "-c", WRITERS_SCRIPT, str(root)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -684,11 +684,12 @@ def crash_with_writers_open(kvfs: KvfsMount, while_open: Callable[[], None]) -> 
         for i in range(8):
             assert (root / f"w{i}").read_bytes() == bytes([i]) * (64 << 10)
         kvfs.kill9()
+        assert helper is None or wait_dead(helper), "the volume helper outlived its daemon"
     finally:
         writers.kill()
         writers.wait()
     kvfs.mount()
-    assert list((kvfs.data / "staging").iterdir()) == []
+    assert_only_spares_staged(kvfs.data, kvfs)
     for i in range(16):
         expected = bytes([i]) * (64 << 10) if i < 8 else b""
         assert (root / f"w{i}").read_bytes() == expected, i

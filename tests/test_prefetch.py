@@ -58,7 +58,7 @@ def test_lookups_prefetch_and_opens_pass_straight_through(cold: KvfsMount) -> No
     paths = store_prompt(cold, 6)
     look_up(paths)
     assert wait_for(lambda: prefetched(cold) == 6 * CHUNK), stats(cold.mountpoint)
-    blobs = blob_files(cold.data)
+    blobs = blob_files(cold)
     # In memory; a page or two may already be reclaimed where the page cache is tight (a CI
     # container's memory limit counts it), so the mark is most of it, not every page.
     assert sum(resident_bytes(blob) for blob in blobs) >= 0.9 * 6 * CHUNK
@@ -97,7 +97,7 @@ def test_a_single_stat_and_listings_read_nothing(cold: KvfsMount) -> None:
         subprocess.run(command, check=True, capture_output=True)
     shown = stats(cold.mountpoint)
     assert (shown["prefetch_bytes"], shown["verified_bytes"]) == (0, 0), shown
-    assert sum(resident_bytes(blob) for blob in blob_files(cold.data)) == 0
+    assert sum(resident_bytes(blob) for blob in blob_files(cold)) == 0
 
 
 def test_listing_tools_read_nothing_where_the_kernel_kept_only_the_listing(
@@ -147,7 +147,7 @@ def test_a_chunk_damaged_after_its_prefetch_still_fails_its_open(cold: KvfsMount
     paths = store_prompt(cold, 3)
     look_up(paths)
     assert wait_for(lambda: prefetched(cold) == 3 * CHUNK)
-    (victim,) = [blob for blob in blob_files(cold.data) if blob.stat().st_size == CHUNK][:1]
+    (victim,) = [blob for blob in blob_files(cold) if blob.stat().st_size == CHUNK][:1]
     with open(victim, "r+b") as damaged:  # behind kvfs's back, after the prefetch checked it
         damaged.seek(CHUNK // 2)
         byte = damaged.read(1)
@@ -209,7 +209,7 @@ def test_o_direct_readers_get_the_check_ahead_and_no_page_cache(cold: KvfsMount)
     before = stats(cold.mountpoint)
     look_up(paths[3:])
     assert wait_for(lambda: prefetched(cold) == 3 * CHUNK), stats(cold.mountpoint)
-    assert sum(resident_bytes(blob) for blob in blob_files(cold.data)) == 0
+    assert sum(resident_bytes(blob) for blob in blob_files(cold)) == 0
     assert all(read_direct(path) == contents[path] for path in paths[3:])
     after = stats(cold.mountpoint)
     assert after["verified_bytes"] - before["verified_bytes"] == 3 * CHUNK  # by the prefetch

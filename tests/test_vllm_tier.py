@@ -121,7 +121,7 @@ def test_damaged_block_fails_its_load_then_misses_and_others_load_exact(
     assert run_worker("store", root, BLOCKS, seed=9, buffered=buffered)["failed"] == []
     kvfs.remount()
     blobs = {}
-    for blob in blob_files(kvfs.data):
+    for blob in blob_files(kvfs):
         if blob.stat().st_size == 2 * MIB:
             with open(blob, "rb") as data:
                 blobs[stamped_index(data.read(16))] = blob

@@ -24,7 +24,7 @@ from kvfs.data import (
     StagedFile,
     allocated_bytes,
 )
-from kvfs.files.spares import SpareFiles, SpareMode
+from kvfs.files.spares import SpareFiles
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls, QuickLock
@@ -35,6 +35,7 @@ from kvfs.sessions import Session
 from kvfs.space import Space
 from kvfs.stats import Stats
 from kvfs.verify import LateHasher, Verifier, VerifyMode
+from kvfs.volume_helper import VolumeHelper
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class FileState:
 
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
-                 verify: VerifyMode, prefetch_budget: int, spares: SpareMode,
+                 verify: VerifyMode, prefetch_budget: int, helper: VolumeHelper | None,
+                 spares: bool,
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
@@ -179,7 +181,8 @@ class FileState:
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
-        self.spares = SpareFiles(data, spares)
+        self.helper = helper  # makes spares and publishes (kvfs/volume_helper.py), if alive
+        self.spares = SpareFiles(data, helper if spares else None, stats, self._take_blob_ids)
         self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)
         self.prefetcher = Prefetcher(meta, data, self.verifier, session, stats, prefetch_budget)
@@ -202,12 +205,15 @@ class FileState:
         # meanwhile: deleted only once their publishing is over.
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
-        # Blobs a close committed on a syncing store (a shared volume, where a rename is a
-        # round trip; or --fsync), queued for the publisher, each with what it sets when done.
+        # Blobs a close committed and left to the publisher (the volume helper's, or on a
+        # syncing store a worker's), each with what it sets when done.
         self._published_later: dict[int, trio.Event] = {}
         self._to_publish, self._publish_queue = trio.open_memory_channel[StagedFile](math.inf)
         self._reap_wanted = trio.Event()
         self._reaping = trio.Lock()  # held while a worker deletes doomed blobs' data files
+
+    async def _take_blob_ids(self, count: int) -> range:
+        return await self.meta_call(self.meta.allocate_blob_ids, count)
 
     async def attributes(self, ino: int, cached: bool = False) -> Inode:
         """The committed inode (also of files unlinked while open), with the size of what

@@ -1,7 +1,8 @@
 """Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
-from the loop where finishing it is a few small syscalls (else off the loop), and publishes
-it: at once, or on a syncing store through the publisher, which no close waits for."""
+from the loop where finishing it is a few small syscalls (else off the loop), and leaves its
+publishing to the publisher, which no close waits for: the volume helper process renames it
+(kvfs/volume_helper.py), or a worker on a syncing store; without a helper, the loop at once."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import contextlib
 import errno
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import trio
 
-from kvfs.callers_cpu import on_loop
+from kvfs.callers_cpu import call_on_loop, on_loop
 from kvfs.data import (
     StagedFile,
     writable_length,
@@ -30,6 +30,7 @@ from kvfs.files.state import (
 from kvfs.meta import Inode
 from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo, FsError, fail
+from kvfs.volume_helper import HelperGone
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +99,13 @@ class WritingOps(RetiringOps):
         if staged is not None and staged.committed:
             self._discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
-            blob_id, spare = await self._new_blob_id(), self.spares.take()
-            started = time.perf_counter()
-            handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob, fd=spare,
-                                       named=False)
-            if spare is None:  # (created on the loop: timed, for the spares' mode)
-                self.spares.created(time.perf_counter() - started)
+            spare = self.spares.take()
+            if spare is None:
+                handle.staged = StagedFile(self.data, await self._new_blob_id(), handle.fd,
+                                           handle.blob)
+            else:
+                blob_id, fd = spare
+                handle.staged = StagedFile(self.data, blob_id, handle.fd, handle.blob, fd=fd)
         return handle.staged
 
     async def _take_kernel_writes(self, handle: Handle, staged: StagedFile,
@@ -123,7 +125,7 @@ class WritingOps(RetiringOps):
 
     async def _new_blob_id(self) -> int:
         while not self._blob_ids:  # (another task may take the stock while this one waits)
-            self._blob_ids = await self.meta_call(self.meta.allocate_blob_ids, BLOB_ID_BATCH)
+            self._blob_ids = await self._take_blob_ids(BLOB_ID_BATCH)
         blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
         return blob_id
 
@@ -221,18 +223,21 @@ class WritingOps(RetiringOps):
         """`_finish_and_commit` of a file whose finish is a few small syscalls: the commit
         goes from the loop (inline on LMDB; on Redis in one round trip of the loop's own
         connection when the host's record cache has the inode). A store that syncs (a shared
-        pool's volume, or `--fsync`) finishes in a worker and leaves the publishing rename to
-        the publisher: there the volume's operations are round trips, and readers find the
-        blob in staging/ until it is published."""
+        pool's volume, or `--fsync`) finishes in a worker. The publishing rename is left to
+        the publisher (readers find the blob in staging/ until it is published) where the
+        volume helper does it, or where the store syncs: there the volume's operations are
+        round trips. (A worker's renames, beside the loop, would cost it more in GIL
+        hand-offs than it saves.)"""
         if staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
                                                       holder)
-        if staged.syncs:
+        if staged.syncs or (self.helper is not None and self.helper.alive):
             self._published_later[staged.blob_id] = trio.Event()
-            self._to_publish.send_nowait(staged)
+            self.stats.blobs_publishing = len(self._published_later)
+            call_on_loop(self._to_publish.send_nowait, staged)  # (from a queue thread too)
         else:
             with contextlib.suppress(OSError):  # the flush tries again and reports the error
                 staged.publish()
@@ -240,13 +245,13 @@ class WritingOps(RetiringOps):
 
     async def run_publisher(self) -> None:
         """Background: publish the blobs that closes left to it (`_commit_from_loop`), all
-        those queued meanwhile in one worker call. A failure is logged and counted: the blob
-        stays readable in staging/, and the handle's release or the next mount's recovery
-        publishes it."""
+        those queued meanwhile at once. A failure is logged and counted: the blob stays
+        readable in staging/, and the handle's release or the next mount's recovery publishes
+        it."""
         async for staged in self._publish_queue:
             batch = [staged, *self._queued_for_publisher()]
             try:
-                for blob_id, error in await off_loop(_publish_all, batch):
+                for blob_id, error in await self._publish(batch):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)
             except Exception:  # (a bug: the publisher goes on, the mount stays up)
@@ -255,6 +260,23 @@ class WritingOps(RetiringOps):
             for staged in batch:
                 self._publishing_over(staged.blob_id)
                 self._published_later.pop(staged.blob_id).set()
+            self.stats.blobs_publishing = len(self._published_later)
+
+    async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
+        """Publish each blob of `batch`: by the volume helper, else in a worker; the
+        failures, by blob id."""
+        if self.helper is not None and self.helper.alive:
+            try:
+                failed = dict(await self.helper.publish([staged.publishing_paths()
+                                                         for staged in batch]))
+            except HelperGone:
+                return await off_loop(_publish_all, batch)
+            for index, staged in enumerate(batch):
+                if index not in failed:
+                    staged.published_elsewhere()
+            return [(batch[index].blob_id, OSError(error, os.strerror(error)))
+                    for index, error in failed.items()]
+        return await off_loop(_publish_all, batch)
 
     def publish_remaining(self) -> None:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
@@ -305,6 +327,7 @@ class WritingOps(RetiringOps):
         else:
             self.space.unstage(staged.physical)
         staged.discard()
+
 
 
 def _publish_all(batch: list[StagedFile]) -> list[tuple[int, OSError]]:
