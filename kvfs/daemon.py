@@ -144,6 +144,7 @@ class Daemon:
                                config.spares is SpareMode.ON,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
+        self.session.on_lost = self.files.spares.forget
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)

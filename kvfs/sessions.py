@@ -86,6 +86,8 @@ class Session:
         self.shared = meta.engine.shared
         self.id = meta.session
         self.staged_elsewhere = 0  # bytes other hosts' writers have staged (last heard)
+        # On the loop, once this host learns it was declared dead (its staging reaped).
+        self.on_lost: Callable[[], None] = lambda: None
         self._held: Counter[int] = Counter()
         self._recording_locks: dict[int, trio.Lock] = {}
         self._releasing: set[int] = set()  # last local hold gone; its record not yet
@@ -265,6 +267,7 @@ class Session:
                 self.stats.sessions_lost += round_.lost
                 if round_.lost:  # the reaper dropped this session's holds: none to release
                     self._releasing.clear()
+                    self.on_lost()
                 self.stats.sessions_reaped += round_.reaped
                 for blob_id in round_.want_sums:
                     want_sums(blob_id)

@@ -134,6 +134,13 @@ class Verifier:
     def mark(self, blob_id: int, mark: tuple[int, int]) -> None:
         self._verified[blob_id] = mark
 
+    def moved(self, blob_id: int, mark: tuple[int, int]) -> None:
+        """The blob's data file was renamed (published), which moves its ctime: a mark of
+        that file (its inode) follows."""
+        known = self._verified.get(blob_id)
+        if known is not None and known[0] == mark[0]:
+            self._verified[blob_id] = mark
+
     def forget(self, blob_id: int) -> None:
         self._verified.pop(blob_id, None)
 

@@ -17,7 +17,8 @@ Protocol: a SOCK_SEQPACKET socket pair, one message per request and per reply, i
              PUBLISH (from, to) pairs to rename
     reply    op u8, count u32, errno u32. MAKE: the files made, their descriptors attached in
              order, and the errno that stopped it short of all (0: none did). PUBLISH: the
-             pairs that failed, each then as (index u32, errno u32)
+             pairs, each then as (errno u32, then of the file renamed: inode u64, ctime ns
+             i64), 0 where it failed
 The process ends at the end of its input: the daemon closed its socket, or died.
 """
 
@@ -43,11 +44,12 @@ log = logging.getLogger(__name__)
 MAKE, PUBLISH = 1, 2
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _REPLY = struct.Struct("<BII")
-_FAILURE = struct.Struct("<II")
+_MOVED = struct.Struct("<IQq")
 MESSAGE_MAX = 64 << 10  # bytes of paths per request (a path is at most 4 KiB): a publisher's
 # batch goes in several
 RECEIVE_MAX = MESSAGE_MAX + 4096  # the helper's receive buffer: any request whole
-REPLY_MAX = 64 << 10  # the daemon's: a PUBLISH reply of every pair of a full request failed
+PAIRS_MAX = 512  # per PUBLISH request
+REPLY_MAX = _REPLY.size + PAIRS_MAX * _MOVED.size  # the daemon's receive buffer
 
 
 class HelperGone(Exception):
@@ -93,24 +95,22 @@ class VolumeHelper:
             return [], error or errno.EMFILE
         return fds, error
 
-    async def publish(self, pairs: list[tuple[str, str]]) -> list[tuple[int, int]]:
-        """Rename each (from, to) pair; the failures, as (index in `pairs`, errno)."""
-        failed: list[tuple[int, int]] = []
-        first = 0
-        while first < len(pairs):
+    async def publish(self, pairs: list[tuple[str, str]]) -> list[tuple[int, int, int]]:
+        """Rename each (from, to) pair: per pair, the errno of its failure (0: none), and the
+        inode and ctime (ns) of the file renamed."""
+        moved: list[tuple[int, int, int]] = []
+        while len(moved) < len(pairs):
             parts: list[bytes] = []
             size = 0
-            end = first
-            while end < len(pairs) and (size < MESSAGE_MAX - 2 * 4096 or end == first):
-                parts += (os.fsencode(pairs[end][0]), os.fsencode(pairs[end][1]))
+            for source, target in pairs[len(moved):len(moved) + PAIRS_MAX]:
+                if parts and size > MESSAGE_MAX - 2 * 4096:
+                    break
+                parts += (os.fsencode(source), os.fsencode(target))
                 size += len(parts[-2]) + len(parts[-1]) + 2
-                end += 1
             reply, _ = await self._ask(PUBLISH, parts, 0)
             _, count, _ = _REPLY.unpack_from(reply)
-            failed += [(first + index, error) for index, error in
-                       _FAILURE.iter_unpack(reply[_REPLY.size:_REPLY.size + count * _FAILURE.size])]
-            first = end
-        return failed
+            moved += _MOVED.iter_unpack(reply[_REPLY.size:_REPLY.size + count * _MOVED.size])
+        return moved
 
     async def _ask(self, op: int, parts: list[bytes], descriptors: int
                    ) -> tuple[bytes, list[int]]:
@@ -199,13 +199,15 @@ def _make(connection: socket.socket, paths: list[bytes]) -> None:
 
 
 def _publish(connection: socket.socket, paths: list[bytes]) -> None:
-    failed = []
-    for index in range(len(paths) // 2):
+    moved = []
+    for source, target in zip(paths[::2], paths[1::2], strict=True):
         try:
-            os.rename(paths[2 * index], paths[2 * index + 1])
+            os.rename(source, target)
+            status = os.stat(target)
+            moved.append(_MOVED.pack(0, status.st_ino, status.st_ctime_ns))
         except OSError as failure:
-            failed.append(_FAILURE.pack(index, failure.errno or 0))
-    connection.send(_REPLY.pack(PUBLISH, len(failed), 0) + b"".join(failed))
+            moved.append(_MOVED.pack(failure.errno or 0, 0, 0))
+    connection.send(_REPLY.pack(PUBLISH, len(moved), 0) + b"".join(moved))
 
 
 def die_with(daemon: int) -> None:

@@ -8,7 +8,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from conftest import stats
+from conftest import assert_only_spares_staged, stats
 
 NOBODY = 65534
 
@@ -131,4 +131,5 @@ def test_data_stays_inside_the_data_directory(make_mount, tmp_path: Path) -> Non
     before = {p.name for p in tmp_path.iterdir()}
     assert before == {"mnt0", "data0"}
     stored = {p.relative_to(kvfs.data).parts[0] for p in kvfs.data.rglob("*") if p.is_file()}
-    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log", "verified-blobs"}
+    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log", "verified-blobs", "staging"}
+    assert_only_spares_staged(kvfs.data, kvfs)

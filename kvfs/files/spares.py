@@ -55,6 +55,7 @@ class SpareFiles:
         self._take_blob_ids = take_blob_ids
         self._spares: deque[tuple[int, int]] = deque()  # (blob id, descriptor)
         self._wanted = trio.Event()
+        self._generation = 0  # spares made before `forget` are not taken
 
     def take(self) -> tuple[int, int] | None:
         """A spare: its blob id and a descriptor of its empty staged file, open for reading
@@ -74,31 +75,51 @@ class SpareFiles:
         try:
             while True:
                 while len(self._spares) < SPARES_KEPT:
-                    blob_ids = await self._take_blob_ids(
-                        min(SPARES_BATCH, SPARES_KEPT - len(self._spares)))
                     try:
-                        fds, error = await self.helper.make(
-                            [self.data.staging_path(blob_id) for blob_id in blob_ids])
+                        await self._make(min(SPARES_BATCH, SPARES_KEPT - len(self._spares)))
+                        retry = RETRY_SECONDS[0]
                     except HelperGone:
                         return
-                    self._spares.extend(zip(blob_ids, fds, strict=False))
-                    self.stats.spare_staged_files += len(fds)
-                    if error:
-                        log.warning("making spare staged files: %s (again in %.0f s)",
-                                    os.strerror(error), retry)
+                    except Exception as error:  # (a shared engine out of reach; no room)
+                        self.stats.background_errors += 1
+                        log.warning("making spare staged files: %s (again in %.0f s)", error,
+                                    retry)
                         await trio.sleep(retry)
                         retry = min(2 * retry, RETRY_SECONDS[1])
-                    else:
-                        retry = RETRY_SECONDS[0]
                 self._wanted = trio.Event()
                 await self._wanted.wait()
         finally:
             self.close()
 
+    async def _make(self, count: int) -> None:
+        assert self.helper is not None
+        generation = self._generation
+        blob_ids = await self._take_blob_ids(count)
+        fds, error = await self.helper.make(
+            [self.data.staging_path(blob_id) for blob_id in blob_ids])
+        made = list(zip(blob_ids, fds, strict=False))
+        if generation != self._generation:  # made for a staging directory since reaped
+            _discard(self.data, made)
+        else:
+            self._spares.extend(made)
+            self.stats.spare_staged_files += len(made)
+        if error:
+            raise OSError(error, os.strerror(error))
+
+    def forget(self) -> None:
+        """This host was declared dead and another reaped its staging directory: the spares'
+        names are gone, and a commit could not publish one."""
+        self._generation += 1
+        self.close()
+
     def close(self) -> None:
         """The mount ends: unused spares go, files and all."""
-        while self._spares:
-            blob_id, fd = self._spares.popleft()
-            os.close(fd)
-            self.data.discard_staging(blob_id)
+        spares, self._spares = list(self._spares), deque()
         self.stats.spare_staged_files = 0
+        _discard(self.data, spares)
+
+
+def _discard(data: DataStore, spares: list[tuple[int, int]]) -> None:
+    for blob_id, fd in spares:
+        os.close(fd)
+        data.discard_staging(blob_id)

@@ -264,25 +264,32 @@ class WritingOps(RetiringOps):
 
     async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
         """Publish each blob of `batch`: by the volume helper, else in a worker; the
-        failures, by blob id."""
+        failures, by blob id. The verifier's mark of a blob follows its data file's new ctime
+        (the rename moved it)."""
+        moved = None
         if self.helper is not None and self.helper.alive:
-            try:
-                failed = dict(await self.helper.publish([staged.publishing_paths()
-                                                         for staged in batch]))
-            except HelperGone:
-                return await off_loop(_publish_all, batch)
-            for index, staged in enumerate(batch):
-                if index not in failed:
-                    staged.published_elsewhere()
-            return [(batch[index].blob_id, OSError(error, os.strerror(error)))
-                    for index, error in failed.items()]
-        return await off_loop(_publish_all, batch)
+            with contextlib.suppress(HelperGone):
+                moved = await self.helper.publish([staged.publishing_paths()
+                                                   for staged in batch])
+        if moved is None:
+            moved = await off_loop(_publish_all, batch)
+        failed = []
+        for staged, (error, ino, ctime_ns) in zip(batch, moved, strict=True):
+            if error:
+                failed.append((staged.blob_id, OSError(error, os.strerror(error))))
+            else:
+                staged.published_elsewhere()
+                self.verifier.moved(staged.blob_id, (ino, ctime_ns))
+        return failed
 
     def publish_remaining(self) -> None:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
         a worker call is never abandoned)."""
-        for blob_id, error in _publish_all(self._queued_for_publisher()):
-            log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
+        queued = self._queued_for_publisher()
+        for staged, (error, _, _) in zip(queued, _publish_all(queued), strict=True):
+            if error:
+                log.error("publishing blob %016x failed: %s; recovery publishes it",
+                          staged.blob_id, os.strerror(error))
 
     def _queued_for_publisher(self) -> list[StagedFile]:
         """Take every blob queued for the publisher right now."""
@@ -330,12 +337,15 @@ class WritingOps(RetiringOps):
 
 
 
-def _publish_all(batch: list[StagedFile]) -> list[tuple[int, OSError]]:
-    """Publish each staged blob (in a worker); the failures, by blob id."""
-    failed = []
+def _publish_all(batch: list[StagedFile]) -> list[tuple[int, int, int]]:
+    """Publish each staged blob (in a worker); per blob, as the volume helper answers: the
+    errno of its failure (0: none), the inode and ctime (ns) of its data file."""
+    moved = []
     for staged in batch:
         try:
             staged.publish()
+            status = os.stat(staged.store.path(staged.blob_id))
+            moved.append((0, status.st_ino, status.st_ctime_ns))
         except OSError as error:
-            failed.append((staged.blob_id, error))
-    return failed
+            moved.append((error.errno or errno.EIO, 0, 0))
+    return moved
