@@ -153,6 +153,9 @@ class Daemon:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough, config.io_uring)
+        self.on_queue_threads = hasattr(self.operations, "handle_now")  # (io_uring, LMDB)
+        if self.on_queue_threads:
+            self.files.publish_later = False
 
     def _staged(self) -> int:
         return self.space.staged
@@ -227,13 +230,12 @@ class Daemon:
             if self.cpu_latency is not None:
                 nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)
-            on_queue_threads = hasattr(self.operations, "handle_now")  # (io_uring, LMDB)
-            if on_queue_threads:
+            if self.on_queue_threads:
                 REQUEST_LOCK.start(nursery)
             try:
                 await pyfuse3.main()
             finally:
-                if on_queue_threads:
+                if self.on_queue_threads:
                     REQUEST_LOCK.stop()
             nursery.cancel_scope.cancel()
 

@@ -34,8 +34,8 @@ from kvfs.volume_helper import HelperGone, VolumeHelper
 
 log = logging.getLogger(__name__)
 
-SPARES_KEPT = 64  # a burst of 16 vLLM threads' creates, four times over
-SPARES_BATCH = 32  # made per request to the helper
+SPARES_KEPT = 128  # a burst of 16 vLLM threads' creates, eight times over
+SPARES_BATCH = 64  # made per request to the helper: half the stock, refilled at once
 RETRY_SECONDS = (1.0, 60.0)  # first and longest wait after the volume refused
 
 

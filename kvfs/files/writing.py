@@ -234,7 +234,8 @@ class WritingOps(RetiringOps):
             blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
                                                       holder)
-        if staged.syncs or (self.helper is not None and self.helper.alive):
+        if staged.syncs or (self.publish_later and self.helper is not None
+                            and self.helper.alive):
             self._published_later[staged.blob_id] = trio.Event()
             self.stats.blobs_publishing = len(self._published_later)
             call_on_loop(self._to_publish.send_nowait, staged)  # (from a queue thread too)
