@@ -35,8 +35,6 @@ import subprocess
 import sys
 from typing import NoReturn
 
-import trio
-
 import kvfs
 
 log = logging.getLogger(__name__)
@@ -58,9 +56,12 @@ class HelperGone(Exception):
 
 class VolumeHelper:
     """The daemon's side: one helper process, asked from the loop's background tasks one
-    request at a time. Once it has ended, every request raises HelperGone."""
+    request at a time. Once it has ended, every request raises HelperGone. (It imports trio
+    where it uses it: the helper process, which runs this module, stays small.)"""
 
     def __init__(self) -> None:
+        import trio
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._process = subprocess.Popen(
@@ -116,6 +117,7 @@ class VolumeHelper:
                    ) -> tuple[bytes, list[int]]:
         """One request and its reply (with up to `descriptors` descriptors). Shielded: a
         reply left unread would answer the next request."""
+        import trio
         if not self.alive:
             raise HelperGone
         with trio.CancelScope(shield=True):
@@ -137,6 +139,7 @@ class VolumeHelper:
         return reply, fds
 
     async def _send(self, message: bytes) -> None:
+        import trio
         while True:
             try:
                 self._socket.send(message)
