@@ -590,6 +590,10 @@ class StagedFile:
             sums, pending = block_sums(self.fd, self.size, self.sums), False
         if self.store.fsync:
             os.fdatasync(self.fd)
+        if self.store.shared and not os.fstat(self.fd).st_nlink:
+            # Another host reaped this host's staging directory (it was declared dead): the
+            # commit would name a blob no publishing can find. The close fails instead.
+            raise fail(errno.EIO)
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
                                   pending)
         return self._finished

@@ -302,6 +302,30 @@ def test_a_killed_host_is_cleaned_up_after_and_the_others_keep_serving(shared_po
     assert stats(second.mountpoint)["background_errors"] == before["background_errors"]
 
 
+def test_a_close_whose_staged_file_was_reaped_fails(shared_pool) -> None:
+    """If another host reaped this host's staging directory while a writer was open (this
+    host declared dead while alive), the close fails (EIO) rather than commit a blob whose
+    data file no publishing can find: the file stays as it was on every host, counters
+    exact."""
+    first, second = shared_pool(2, "--capacity", "1G")
+    payload = os.urandom(64 << 10)
+    fd = os.open(first.mountpoint / "new", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, payload)
+        (staged,) = [path for path in staged_files(first.data)
+                     if path.stat().st_size == len(payload)]
+        staged.unlink()  # what the reaper of a dead session does
+    finally:
+        with pytest.raises(OSError) as failed:
+            os.close(fd)
+    assert failed.value.errno == errno.EIO
+    assert (first.mountpoint / "new").read_bytes() == b""  # created, never committed
+    assert wait_for(lambda: _read(second.mountpoint / "new") == b"", 10)
+    assert stats(first.mountpoint)["commits"] == 0
+    for host in (first, second):
+        assert_pool_counters_exact(host)
+
+
 def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> None:
     first, second = shared_pool(2, "--capacity", "1G")
     content = os.urandom(3 * MiB)
