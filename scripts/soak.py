@@ -587,7 +587,8 @@ class Soak:
         return found
 
     def space_check(self, kind: str, settle: float = 0.0) -> None:
-        """Blob bytes on the volume == bytes visible == statvfs used; nothing staged."""
+        """Blob bytes on the volume == bytes visible == statvfs used; nothing staged but the
+        mount's spares (empty files, as many as its stats count), nothing left to publish."""
         deadline = time.monotonic() + settle
         while True:
             problems = self.space_problems()
@@ -619,8 +620,18 @@ class Soak:
         visible = sum(self.visible_files().values())
         st = os.statvfs(self.mountpoint)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        staged = sorted(p.name for p in (self.data / "staging").rglob("*") if p.is_file())
+        sizes = {}
+        for path in (self.data / "staging").rglob("*"):
+            with contextlib.suppress(FileNotFoundError):  # taken and published meanwhile
+                if path.is_file():
+                    sizes[path.name] = path.stat().st_size
+        staged = sorted(name for name, size in sizes.items() if size)
+        shown_stats = json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
+        spares = len(sizes) - len(staged)
         problems = []
+        if spares != shown_stats["spare_staged_files"] or shown_stats["blobs_publishing"]:
+            problems.append(f"{spares} empty staged files, {shown_stats['spare_staged_files']} "
+                            f"spares, {shown_stats['blobs_publishing']} blobs to publish")
         if on_volume != visible:
             problems.append(f"{on_volume} bytes of blob files, {visible} bytes visible")
         if used != allocated:
