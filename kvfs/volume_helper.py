@@ -80,10 +80,6 @@ class VolumeHelper:
         self._turn = trio.Lock()  # (replies come in order: one request in flight)
         self.alive = True
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
     async def make(self, paths: list[str]) -> tuple[list[int], int]:
         """Create each of `paths` (empty, exclusively), in order, until one fails: the
         descriptors of those made (open for reading and writing) and the failure's errno
@@ -150,7 +146,7 @@ class VolumeHelper:
     def _gone(self, why: str) -> NoReturn:
         if self.alive:
             log.error("the volume helper process is gone (%s): the loop creates staged files "
-                      "and a worker thread publishes from now on", why)
+                      "and publishes blobs from now on", why)
         self.alive = False
         raise HelperGone
 
@@ -202,15 +198,20 @@ def _make(connection: socket.socket, paths: list[bytes]) -> None:
 
 
 def _publish(connection: socket.socket, paths: list[bytes]) -> None:
-    moved = []
-    for source, target in zip(paths[::2], paths[1::2], strict=True):
-        try:
-            os.rename(source, target)
-            status = os.stat(target)
-            moved.append(_MOVED.pack(0, status.st_ino, status.st_ctime_ns))
-        except OSError as failure:
-            moved.append(_MOVED.pack(failure.errno or 0, 0, 0))
+    moved = [_MOVED.pack(*move(source, target))
+             for source, target in zip(paths[::2], paths[1::2], strict=True)]
     connection.send(_REPLY.pack(PUBLISH, len(moved), 0) + b"".join(moved))
+
+
+def move(source: str | bytes, target: str | bytes) -> tuple[int, int, int]:
+    """Rename `source` to `target` (a blob's publishing, here or in the daemon's fallback):
+    0 and the inode and ctime (ns) of the file renamed, or the errno of the failure, 0, 0."""
+    try:
+        os.rename(source, target)
+        status = os.stat(target)
+    except OSError as failure:
+        return failure.errno or errno.EIO, 0, 0
+    return 0, status.st_ino, status.st_ctime_ns
 
 
 def die_with(daemon: int) -> None:

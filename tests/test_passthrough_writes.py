@@ -628,6 +628,7 @@ def test_writers_stage_in_spares_the_helper_made_and_a_crash_leaves_nothing(make
     def while_open() -> None:
         shown = stats(root)  # (the first eight fill the kernel writers' share of the pool)
         assert (shown["write_opens_passthrough"], shown["write_opens_daemon"]) == (8, 8)
+        blob_files(roomy)  # (the closed ones' are published)
         written = {path.name for path in (roomy.data / "staging").iterdir()
                    if path.stat().st_size}
         assert len(written) == 8 and written <= made_ahead, "the open writers took spares"

@@ -95,8 +95,13 @@ class SpareFiles:
         assert self.helper is not None
         generation = self._generation
         blob_ids = await self._take_blob_ids(count)
-        fds, error = await self.helper.make(
-            [self.data.staging_path(blob_id) for blob_id in blob_ids])
+        fds: list[int] = []
+        try:
+            fds, error = await self.helper.make(
+                [self.data.staging_path(blob_id) for blob_id in blob_ids])
+        finally:  # files made whose descriptors never came (the helper died, or they were lost)
+            for blob_id in blob_ids[len(fds):]:
+                self.data.discard_staging(blob_id)
         made = list(zip(blob_ids, fds, strict=False))
         if generation != self._generation:  # made for a staging directory since reaped
             _discard(self.data, made)

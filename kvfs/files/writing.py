@@ -30,7 +30,7 @@ from kvfs.files.state import (
 from kvfs.meta import Inode
 from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo, FsError, fail
-from kvfs.volume_helper import HelperGone
+from kvfs.volume_helper import HelperGone, move
 
 log = logging.getLogger(__name__)
 
@@ -337,16 +337,6 @@ class WritingOps(RetiringOps):
         staged.discard()
 
 
-
 def _publish_all(batch: list[StagedFile]) -> list[tuple[int, int, int]]:
-    """Publish each staged blob (in a worker); per blob, as the volume helper answers: the
-    errno of its failure (0: none), the inode and ctime (ns) of its data file."""
-    moved = []
-    for staged in batch:
-        try:
-            staged.publish()
-            status = os.stat(staged.store.path(staged.blob_id))
-            moved.append((0, status.st_ino, status.st_ctime_ns))
-        except OSError as error:
-            moved.append((error.errno or errno.EIO, 0, 0))
-    return moved
+    """Publish each staged blob (in a worker), as the volume helper does."""
+    return [move(*staged.publishing_paths()) for staged in batch]
