@@ -34,11 +34,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import EllipsisType
 from typing import Protocol, TypeVar, runtime_checkable
 
 import lmdb
 
-from kvfs.changelog import ADD, DELETE, KEEP, PUT, ChangeLog, Keep, Value, decode, encode
+from kvfs.changelog import KEEP, ChangeLog, Pending, Value, Writes, decode, encode
 from kvfs.lmdb_writer import LmdbWriter, WriterError, hold_writer_lock
 
 log = logging.getLogger(__name__)
@@ -190,9 +191,6 @@ class ChangesPending(Exception):
     yet (removals among them may free room): wait for them off the loop, then try again."""
 
 
-# One key's pending change: [new value (bytes), removal (None) or KEEP, counter delta].
-Pending = list
-Writes = dict[str, dict[bytes, Pending]]
 
 
 class KeyTracker(Protocol):
@@ -246,26 +244,11 @@ class _Layer:
         return writes
 
 
-def writes_of(payload: bytes) -> Writes:
-    """A change's writes from its encoding (kvfs/changelog.py)."""
-    writes: Writes = {}
-    for family, key, kind, value in decode(payload):
-        pending = writes.setdefault(family, {}).setdefault(key, [KEEP, 0])
-        if kind == PUT:
-            pending[:] = [value, 0]
-        elif kind == DELETE:
-            pending[:] = [None, 0]
-        elif kind == ADD:
-            assert isinstance(value, int)
-            pending[1] += value
-    return writes
-
-
 def layer_of(payloads: Iterable[bytes], last_seq: int) -> _Layer:
     """One layer of encoded changes, through `last_seq` (kvfs/lmdb_writer.py)."""
     layer = _Layer()
     for payload in payloads:
-        layer.add(last_seq, writes_of(payload))
+        layer.add(last_seq, decode(payload))
     return layer
 
 
@@ -320,7 +303,7 @@ def get_through(txn: Txn, family: str, key: bytes, to_family: str
 def _layered_on(stored: bytes | None, value: Value, delta: int) -> bytes | None:
     """A record as the layers leave it: `value` replaces what LMDB holds unless KEEP, and a
     counter's `delta` is added."""
-    current = stored if isinstance(value, Keep) else value
+    current = stored if isinstance(value, EllipsisType) else value
     if delta:
         return _COUNT.pack((_COUNT.unpack(current)[0] if current else 0) + delta)
     return current
@@ -340,10 +323,6 @@ class _LayeredTxn:
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
         self.emptied: list[tuple[str, bytes]] = []  # prefixes it says no key has (`known_empty`)
-        # Families the layers hold versions of (a family first written after this view
-        # began is written at a later seq: invisible here): reads of the others go to LMDB
-        # alone, which is what a listing or a lookup of settled names mostly does.
-        self._layered = {family for layer in layers for family in list(layer.families)}
 
     def _pending(self, family: str, key: bytes) -> tuple[Value, int]:
         """(value, delta) that the layers (and this change) add to LMDB's record."""
@@ -379,7 +358,7 @@ class _LayeredTxn:
             if value is KEEP:
                 continue
             before, delta = self._layered_value(family, key)
-            if isinstance(before, Keep):
+            if isinstance(before, EllipsisType):
                 before = self._txn.get(key, db=self._dbs[family])
             existed = _layered_on(before, KEEP, delta) is not None
             if value is None and existed:
@@ -392,13 +371,23 @@ class _LayeredTxn:
         return _layered_on(stored, *self._pending(family, key))
 
     def _unlayered(self, family: str) -> bool:
-        return family not in self._layered and (self.writes is None or family not in self.writes)
+        """Whether neither the layers nor this change hold versions of `family`: its reads go
+        to LMDB alone, which is what a listing or a lookup of settled names mostly does. (A
+        family a layer gains while this view lasts is read the long way, and its versions,
+        later than the view, are not seen.)"""
+        if self.writes is not None and family in self.writes:
+            return False
+        for layer in self._layers:  # noqa: SIM110 (a loop: no generator made per read)
+            if family in layer.families:
+                return False
+        return True
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if self._unlayered(family):
             return self._txn.get(key, db=self._dbs[family])
         value, delta = self._pending(family, key)
-        stored = self._txn.get(key, db=self._dbs[family]) if isinstance(value, Keep) else None
+        stored = (self._txn.get(key, db=self._dbs[family]) if isinstance(value, EllipsisType)
+                  else None)
         return _layered_on(stored, value, delta)
 
     def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
@@ -417,7 +406,9 @@ class _LayeredTxn:
         return self.writes.setdefault(family, {}).setdefault(bytes(key), [KEEP, 0])
 
     def put(self, family: str, key: bytes, value: bytes) -> None:
-        self._write(family, key)[:] = [bytes(value), 0]
+        if self.writes is None:
+            raise TypeError("a snapshot is read-only")
+        self.writes.setdefault(family, {})[bytes(key)] = [bytes(value), 0]
 
     def delete(self, family: str, key: bytes) -> bool:
         existed = self.get(family, key) is not None
@@ -555,8 +546,8 @@ class LmdbEngine:
         """Changes answered before the last daemon stopped that LMDB does not hold yet: into
         LMDB (or, read-only, into memory)."""
         layer = _Layer()
-        for seq, payload in self._log.replay(self._seq):
-            layer.add(seq, writes_of(payload))
+        for seq, writes in self._log.replay(self._seq):
+            layer.add(seq, writes)
             self._seq = seq
         if not layer.families:
             if not readonly:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, fields
 
 import pyfuse3
 
 # Upper bounds of the request-latency buckets, microseconds: powers of two, 16 µs to 1 s.
 LATENCY_BOUNDS_US = tuple(1 << power for power in range(4, 21))
+_OVERFLOW = len(LATENCY_BOUNDS_US)  # the bucket past the last bound
 
 
 class RequestTimes:
@@ -18,18 +18,17 @@ class RequestTimes:
     def __init__(self) -> None:
         self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
         self._seconds: dict[str, float] = {}
-        self._recording = threading.Lock()  # the loop and io_uring queue threads record
 
     def record(self, request: str, elapsed_ns: int) -> None:
-        micros = elapsed_ns // 1000
-        bucket = min(len(LATENCY_BOUNDS_US), max(0, (micros - 1).bit_length() - 4))
-        with self._recording:
-            buckets = self._buckets.get(request)
-            if buckets is None:
-                buckets = self._buckets[request] = [0] * (len(LATENCY_BOUNDS_US) + 1)
-                self._seconds[request] = 0.0
-            buckets[bucket] += 1
-            self._seconds[request] += elapsed_ns / 1e9
+        """(No lock: handlers record, on the loop, or on io_uring queue threads that hold the
+        request mutex the loop holds while it runs: one at a time.)"""
+        bucket = (elapsed_ns // 1000 - 1).bit_length() - 4
+        buckets = self._buckets.get(request)
+        if buckets is None:
+            buckets = self._buckets[request] = [0] * (_OVERFLOW + 1)
+            self._seconds[request] = 0.0
+        buckets[0 if bucket < 0 else bucket if bucket < _OVERFLOW else _OVERFLOW] += 1
+        self._seconds[request] += elapsed_ns / 1e9
 
     def answered(self) -> int:
         """Requests of every kind answered so far."""

@@ -17,6 +17,7 @@ import functools
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -29,9 +30,10 @@ from pathlib import Path
 import lmdb
 import pytest
 import trio
+import xxhash
 from conftest import wait_for
 
-from kvfs.changelog import _HEADER, KEEP, MAGIC, ChangeLog, encode
+from kvfs.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode, encode
 from kvfs.engine import (
     APPLIED_KEY,
     Engine,
@@ -1231,6 +1233,52 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
     finally:
         meta.close()
     assert list(tmp_path.glob("changes-*.log")) == []  # a clean close leaves no log
+
+
+def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
+    """A change's writes in the change log's entries format (kvfs before marshal payloads),
+    as kvfs/changelog.py documents it."""
+    out = bytearray()
+    for family, keys in writes.items():
+        for key, (value, delta) in keys.items():
+            head = struct.pack("<B", len(family)) + family.encode() + struct.pack(
+                "<H", len(key)) + key
+            if value is None:
+                out += head + struct.pack("<B", 1)
+            elif value is not KEEP:
+                out += head + struct.pack("<BI", 0, len(value)) + value
+            if delta:
+                out += head + struct.pack("<Bq", 2, delta)
+    return bytes(out)
+
+
+def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
+    """A crash of kvfs before marshal payloads leaves records of entries: the next open
+    replays them like its own (the same log rewritten in that format gives the same store)."""
+    result = subprocess.run([sys.executable, "-c", LOG_WRITER, str(tmp_path), "300"],
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr
+    records = changes_in_log(tmp_path)
+    for segment in tmp_path.glob("changes-*.log"):
+        data, rewritten, at = segment.read_bytes(), bytearray(), 0
+        while at + _HEADER.size <= len(data):
+            magic, seq, length, _ = _HEADER.unpack_from(data, at)
+            if magic != MAGIC:
+                break
+            payload = entries_payload(decode(data[at + _HEADER.size: at + _HEADER.size + length]))
+            rewritten += _HEADER.pack(MAGIC_ENTRIES, seq, len(payload),
+                                      xxhash.xxh3_64_intdigest(payload)) + payload
+            at += _HEADER.size + length
+        segment.write_bytes(rewritten + bytes(max(0, len(data) - len(rewritten))))
+    assert changes_in_log(tmp_path) == records
+    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+    try:
+        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
+        assert names == {b"f%d" % n for n in range(1, 300)} | {b"renamed"}
+        assert meta.usage().files == 300
+        check_store(meta)
+    finally:
+        meta.close()
 
 
 STOPPED_WRITER = """

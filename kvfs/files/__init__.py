@@ -75,7 +75,9 @@ class FileTable(WritingOps):
         self._opening[ino] += 1  # seen by writers deciding whether they are alone
         try:
             opened = await self._open_file(ino, flags, caller, made)
-            return replace(opened, read_only=flags & os.O_ACCMODE == os.O_RDONLY)
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                return opened
+            return replace(opened, read_only=True)
         finally:
             self._opening[ino] -= 1
             if not self._opening[ino]:
