@@ -58,6 +58,7 @@ from kvfs.meta import (
     Inode,
     MetaStore,
     Removed,
+    from_u64,
     u64,
 )
 from kvfs.records import BlobInfo, FsError
@@ -383,6 +384,20 @@ def test_readdir_and_recency_past_batch_sizes(meta: MetaStore) -> None:
 # -- links and removal ----------------------------------------------------------------------
 
 
+def link_records(meta: MetaStore) -> set[tuple[int, int, bytes]]:
+    """(ino, parent, name) of every `links` record (inode by inode: a shared engine keeps
+    each one's apart)."""
+    found = set()
+    with meta.engine.snapshot() as txn:
+        for inode in meta.inodes():
+            prefix = u64(inode.ino)
+            for key, _ in txn.scan("links", prefix):
+                if key[:8] != prefix:
+                    break
+                found.add((inode.ino, from_u64(key[8:16]), bytes(key[16:])))
+    return found
+
+
 def test_hard_links_and_nlink(meta: MetaStore) -> None:
     d = mkdir(meta, b"d")
     f = mkfile(meta, MODEL_NAME)
@@ -396,6 +411,7 @@ def test_hard_links_and_nlink(meta: MetaStore) -> None:
     assert sorted(meta.names(f.ino)) == sorted([(ROOT_INO, MODEL_NAME), (d.ino, b"plain")])
     assert (linked.parent, linked.name) == (ROOT_INO, MODEL_NAME)  # the first name stays primary
     assert meta.usage().files == 1 and meta.usage().used == blob.allocated  # counted once
+    assert link_records(meta) == {(f.ino, ROOT_INO, MODEL_NAME), (f.ino, d.ino, b"plain")}
     meta.link(f.ino, ROOT_INO, b"third")
     assert meta.get(f.ino).nlink == 3
 
@@ -414,7 +430,17 @@ def test_hard_links_and_nlink(meta: MetaStore) -> None:
     assert meta.models() == {}  # its primary name is no model's any more
     assert meta.lookup(ROOT_INO, MODEL_NAME) is None
 
+    assert link_records(meta) == {(f.ino, ROOT_INO, b"third"), (f.ino, d.ino, b"plain")}
     assert not meta.remove(ROOT_INO, b"third", False).gone
+    # one name left: `links` holds none (the inode record names it)
+    assert link_records(meta) == set() and meta.names(f.ino) == [(d.ino, b"plain")]
+    meta.rename(d.ino, b"plain", ROOT_INO, b"moved", 0)
+    assert meta.names(f.ino) == [(ROOT_INO, b"moved")] and link_records(meta) == set()
+    meta.link(f.ino, d.ino, b"again")
+    assert link_records(meta) == {(f.ino, ROOT_INO, b"moved"), (f.ino, d.ino, b"again")}
+    meta.rename(ROOT_INO, b"moved", d.ino, b"plain", 0)
+    assert link_records(meta) == {(f.ino, d.ino, b"plain"), (f.ino, d.ino, b"again")}
+    assert not meta.remove(d.ino, b"again", False).gone
     last = meta.remove(d.ino, b"plain", False)
     assert last.gone and last.inode.ino == f.ino and last.names == [(d.ino, b"plain")]
     refused(errno.ENOENT, meta.get, f.ino)
@@ -868,6 +894,33 @@ def test_a_kvfs_3_store_gets_entry_types_at_open(backend: Backend) -> None:
     assert listing(meta, d.ino) == made
     assert [(name, file_type) for name, _, file_type, _ in
             meta.readdir_types_page(d.ino, 0, 10)] == [(b"f", stat.S_IFREG), (b"s", stat.S_IFLNK)]
+
+
+def test_a_kvfs_4_store_keeps_only_hard_links_in_links(backend: Backend) -> None:
+    """kvfs-4 kept every name in `links`: the open that finds that format removes the
+    records of files with one name and of directories; hard-linked files keep theirs."""
+    meta = backend.open()
+    d = mkdir(meta, b"d")
+    single = mkfile(meta, b"single", d.ino)
+    linked = mkfile(meta, b"linked", d.ino)
+    meta.link(linked.ino, ROOT_INO, b"other")
+    kept = link_records(meta)
+    assert kept == {(linked.ino, d.ino, b"linked"), (linked.ino, ROOT_INO, b"other")}
+
+    def as_kvfs_4(txn: Txn) -> None:
+        for inode in (d, single):
+            txn.put("links", u64(inode.ino) + u64(inode.parent) + inode.name, b"")
+        txn.put("settings", b"format", b"kvfs-4")
+    meta.engine.change(as_kvfs_4)
+    assert len(link_records(meta)) == 4
+    backend.close(meta)
+
+    meta = backend.open()
+    assert link_records(meta) == kept
+    assert meta.names(single.ino) == [(d.ino, b"single")]
+    assert sorted(meta.names(linked.ino)) == sorted([(d.ino, b"linked"), (ROOT_INO, b"other")])
+    meta.rename(d.ino, b"single", ROOT_INO, b"single", 0)
+    assert meta.names(single.ino) == [(ROOT_INO, b"single")] and link_records(meta) == kept
 
 
 # -- concurrency ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from kvfs.meta.schema import (
     MODEL_FILES,
     Inode,
     from_u64,
+    has_links,
     listing_entry,
     u64,
 )
@@ -83,10 +84,13 @@ class MetaBase:
             txn.add("models", model.encode() + MODEL_BYTES, allocated)
 
     def _link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int) -> None:
+        """The entry `name` in `parent` for `inode` as the change leaves it (its nlink counts
+        this name)."""
         cookie = u64(cookie_id)
         txn.put("dentry", u64(parent) + name, u64(inode.ino) + cookie)
         txn.put("dirlist", u64(parent) + cookie, listing_entry(inode.ino, inode.mode, name))
-        txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
+        if has_links(inode):
+            txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
 
     def _entries(self, txn: Txn, parent: int, after: int = -1) -> Iterator[tuple[bytes, bytes]]:
         """`dirlist` records of `parent` with a cookie > after, in cookie order."""
@@ -94,13 +98,17 @@ class MetaBase:
         return takewhile(lambda entry: entry[0][:8] == prefix,
                          txn.scan("dirlist", prefix + u64(after + 1)))
 
-    def _unlink(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
+    def _unlink(self, txn: Txn, parent: int, name: bytes, inode: Inode | int) -> None:
+        """Remove the entry `name` in `parent` of `inode` (as it was before the change; an
+        inode number: its record is gone, and so goes any link record of the name)."""
         # The entry is read (a shared engine checks it at commit); its listing and link
         # records follow from it, so they are removed unread: no round trip for them.
         raw = txn.pop("dentry", u64(parent) + name)
         if raw is not None:
             txn.discard("dirlist", u64(parent) + raw[8:16])
-        txn.discard("links", u64(ino) + u64(parent) + name)
+        if isinstance(inode, int) or has_links(inode):
+            ino = inode if isinstance(inode, int) else inode.ino
+            txn.discard("links", u64(ino) + u64(parent) + name)
 
     def _suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
         """The rest of every key of `family` that starts with `prefix`."""
@@ -111,8 +119,12 @@ class MetaBase:
             found.append(bytes(key[len(prefix):]))
         return found
 
-    def _names(self, txn: Txn, ino: int) -> list[tuple[int, bytes]]:
-        return [(from_u64(rest), rest[8:]) for rest in self._suffixes(txn, "links", u64(ino))]
+    def _names(self, txn: Txn, inode: Inode) -> list[tuple[int, bytes]]:
+        """Every (parent, name) of `inode`."""
+        if not has_links(inode):
+            return [(inode.parent, inode.name)]
+        return [(from_u64(rest), rest[8:])
+                for rest in self._suffixes(txn, "links", u64(inode.ino))]
 
     def _adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
         inode = self._get(txn, ino)

@@ -146,9 +146,9 @@ class ContentOps(MetaBase):
                     continue
                 if spare_held and inode.blob and self._holders(txn, inode.blob):
                     continue
-                names = self._names(txn, ino)
+                names = self._names(txn, inode)
                 for parent, name in names:
-                    self._unlink(txn, parent, name, ino)
+                    self._unlink(txn, parent, name, inode)
                     self._adjust_parent(txn, parent, 0, now)
                 self._drop_inode(txn, inode)
                 dropped.append(Removed(inode._replace(nlink=0), names))

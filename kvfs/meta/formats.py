@@ -1,6 +1,6 @@
 """The store's format: formatting a new volume, and migrating older formats in place at
 open (kvfs-1: before hard links and holes; kvfs-2: per-model usage as one packed record;
-kvfs-3: listing entries without their file type)."""
+kvfs-3: listing entries without their file type; kvfs-4: every name in `links`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from kvfs.meta.schema import (
     V1_FORMAT,
     V2_FORMAT,
     V3_FORMAT,
+    V4_FORMAT,
     Inode,
     from_u64,
+    has_links,
     listing_entry,
     mode_of,
     u64,
@@ -35,12 +37,15 @@ class FormatOps(MetaBase):
         stored = txn.get("settings", b"format")
         if stored is None:
             self._format(txn)
-        elif stored in (V1_FORMAT, V2_FORMAT, V3_FORMAT):
+        elif stored in (V1_FORMAT, V2_FORMAT, V3_FORMAT, V4_FORMAT):
             if stored == V1_FORMAT:
                 self._migrate_from_v1(txn)
             elif stored == V2_FORMAT:
                 self._migrate_from_v2(txn)
-            self._migrate_from_v3(txn)
+            if stored != V4_FORMAT:
+                self._migrate_from_v3(txn)
+            self._migrate_from_v4(txn)
+            txn.put("settings", b"format", FORMAT)
         elif stored != FORMAT:
             raise RuntimeError(f"unsupported metadata format {stored!r}")
 
@@ -107,4 +112,12 @@ class FormatOps(MetaBase):
                 else:
                     txn.put("dirlist", key, listing_entry(from_u64(value), mode_of(raw),
                                                           bytes(value[8:])))
-        txn.put("settings", b"format", FORMAT)
+
+    def _migrate_from_v4(self, txn: Txn) -> None:
+        """kvfs-4 kept every name in `links`; a file with one name, and a directory, now
+        keep theirs in the inode record alone (their one `links` record, which is their
+        primary name, goes: blind removals, no scan of `links`)."""
+        for key, raw in txn.scan("inode"):
+            inode = Inode.unpack(from_u64(key), raw)
+            if not has_links(inode) and inode.ino != ROOT_INO:
+                txn.discard("links", u64(inode.ino) + u64(inode.parent) + inode.name)

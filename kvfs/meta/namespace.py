@@ -25,6 +25,7 @@ from kvfs.meta.schema import (
     Removed,
     check_name,
     from_u64,
+    has_links,
     listed,
     u64,
 )
@@ -61,7 +62,7 @@ class NamespaceOps(MetaBase):
 
     def names(self, ino: int) -> list[tuple[int, bytes]]:
         with self.engine.snapshot() as txn:
-            return self._names(txn, ino)
+            return self._names(txn, self._get(txn, ino))
 
     def readlink(self, ino: int) -> bytes:
         with self.engine.snapshot() as txn:
@@ -207,8 +208,11 @@ class NamespaceOps(MetaBase):
             parent_inode = self._dir(txn, new_parent)
             if self._child(txn, new_parent, new_name) is not None:
                 raise fail(errno.EEXIST)
-            self._link(txn, new_parent, new_name, inode, cookie)
-            inode = inode._replace(nlink=inode.nlink + 1, ctime_ns=now)
+            linked = inode._replace(nlink=inode.nlink + 1, ctime_ns=now)
+            if not has_links(inode):  # its only name joins `links`, beside the new one
+                txn.put("links", u64(ino) + u64(inode.parent) + inode.name, b"")
+            self._link(txn, new_parent, new_name, linked, cookie)
+            inode = linked
             self._put(txn, inode)
             self._put(txn, parent_inode._replace(mtime_ns=now, ctime_ns=now))
             return inode
@@ -230,7 +234,7 @@ class NamespaceOps(MetaBase):
             if is_dir:
                 if self._has_children(txn, inode.ino):
                     raise fail(errno.ENOTEMPTY)
-                self._unlink(txn, parent, name, inode.ino)
+                self._unlink(txn, parent, name, inode)
                 self._drop_inode(txn, inode)
                 after = inode._replace(nlink=0)
             else:
@@ -243,13 +247,17 @@ class NamespaceOps(MetaBase):
     def _drop_name(self, txn: Txn, inode: Inode, parent: int, name: bytes,
                    now: int) -> Inode:
         """Remove one name of a non-directory; the inode goes with its last name."""
-        self._unlink(txn, parent, name, inode.ino)
+        self._unlink(txn, parent, name, inode)
         if inode.nlink <= 1:
             self._drop_inode(txn, inode)
             return inode._replace(nlink=0)
         updated = inode._replace(nlink=inode.nlink - 1, ctime_ns=now)
+        remaining = self._names(txn, inode)  # (what `links` holds, less the name just gone)
+        if not has_links(updated):  # its last name leaves `links`: the primary holds it
+            for other_parent, other_name in remaining:
+                txn.discard("links", u64(inode.ino) + u64(other_parent) + other_name)
         if (parent, name) == (inode.parent, inode.name):  # another name becomes the primary
-            new_parent, new_name = self._names(txn, inode.ino)[0]
+            new_parent, new_name = remaining[0]
             self._count_model(txn, inode, name, -1, -inode.allocated)
             self._count_model(txn, inode, new_name, 1, inode.allocated)
             updated = updated._replace(parent=new_parent, name=new_name)
@@ -295,7 +303,7 @@ class NamespaceOps(MetaBase):
                     return moved, None
                 self._check_replaceable(txn, moved, target)
                 if target.is_dir:
-                    self._unlink(txn, new_parent, new_name, target.ino)
+                    self._unlink(txn, new_parent, new_name, target)
                     self._drop_inode(txn, target)
                     self._adjust_parent(txn, new_parent, -1, now)
                     replaced = Removed(target._replace(nlink=0), [(new_parent, new_name)])
@@ -316,7 +324,7 @@ class NamespaceOps(MetaBase):
     def _move_name(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
                    new: tuple[int, bytes], now: int, cookie: int) -> Inode:
         """Re-point one name of `inode` (stored) and return its updated record."""
-        self._unlink(txn, *old, inode.ino)
+        self._unlink(txn, *old, inode)
         self._link(txn, *new, inode, cookie)
         return self._renamed(txn, inode, old, new, now)
 
@@ -345,8 +353,8 @@ class NamespaceOps(MetaBase):
         (second_parent, second_name, second_inode) = second
         if first_inode.ino == second_inode.ino:
             return
-        self._unlink(txn, first_parent, first_name, first_inode.ino)
-        self._unlink(txn, second_parent, second_name, second_inode.ino)
+        self._unlink(txn, first_parent, first_name, first_inode)
+        self._unlink(txn, second_parent, second_name, second_inode)
         self._link(txn, first_parent, first_name, second_inode, next(cookies))
         self._link(txn, second_parent, second_name, first_inode, next(cookies))
         self._renamed(txn, first_inode, (first_parent, first_name),

@@ -14,7 +14,8 @@ Key schema (one family each):
     dirlist  parent ino + cookie      -> child ino + type + name (readdir in stable cookie order;
                                        type: one byte, S_IFMT(mode) >> 12, so that a listing
                                        without attributes reads no inode)
-    links    ino + parent ino + name  -> b""   (every name of an inode: hard links)
+    links    ino + parent ino + name  -> b""   (every name of a file that has more than one:
+                                       hard links; a single name is the inode's primary)
     symlink  ino                      -> target
     xattr    ino + attribute name     -> value
     blob     blob id                  -> owner ino, size, allocated, block size, xxh3 per block
@@ -70,10 +71,11 @@ NAME_MAX = 255
 PATH_MAX = 4096
 XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
-FORMAT = b"kvfs-4"
+FORMAT = b"kvfs-5"
 V1_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
 V2_FORMAT = b"kvfs-2"  # per-model usage as one packed record: migrated in place at open
 V3_FORMAT = b"kvfs-3"  # listing entries without their file type: migrated in place at open
+V4_FORMAT = b"kvfs-4"  # every name in `links`, also a file's only one: migrated in place at open
 DEFAULT_MAP_SIZE = 64 << 30  # virtual only: the file grows with use
 LINK_MAX = 65000  # as ext4
 
@@ -99,6 +101,12 @@ u64: Callable[[int], bytes] = _U64.pack  # (bound, no Python frame: a store pack
 
 def from_u64(raw: bytes) -> int:
     return _U64.unpack(raw[:8])[0]
+
+
+def has_links(inode: Inode) -> bool:
+    """Whether `links` holds the inode's names: a file's, when it has more than one (a
+    store's create and rename then write no `links` record)."""
+    return inode.nlink > 1 and not stat.S_ISDIR(inode.mode)
 
 
 def dentry_parts(key: bytes) -> tuple[int, bytes]:
