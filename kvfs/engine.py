@@ -191,8 +191,6 @@ class ChangesPending(Exception):
     yet (removals among them may free room): wait for them off the loop, then try again."""
 
 
-
-
 class KeyTracker(Protocol):
     """Told what each change of the embedded engine does to one family's keys
     (`LmdbEngine.track`), in the thread that made the change, under the engine's lock."""
