@@ -123,7 +123,8 @@ class FileTable(WritingOps):
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, caller, bool(flags & os.O_DIRECT),
                         kill_privs=caller if writable and caller.uid else None)
-        self.space.note_use(inode.ino)
+        if made is None:  # (a create's atime is its make's, and its close's commit sets it)
+            self.space.note_use(inode.ino)
         if not writable and blob is not None:
             self.stats.bytes_opened += blob.size
             self.prefetcher.opened(blob.blob_id, bool(flags & os.O_DIRECT))
