@@ -1270,14 +1270,17 @@ def lmdb_applied(path: Path) -> int:
         env.close()
 
 
-def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
-    """Every change answered before a kill -9 is there after the next open: those LMDB did
-    not hold yet come back from the change log, which is then emptied."""
-    result = subprocess.run([sys.executable, "-c", LOG_WRITER, str(tmp_path), "300"],
+def kill_log_writer(path: Path, files: int) -> None:
+    """LOG_WRITER in a process of its own, killed (-9) once it made `files` files and renamed
+    the first."""
+    result = subprocess.run([sys.executable, "-c", LOG_WRITER, str(path), str(files)],
                             cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert result.returncode == -9, result.stderr
-    assert lmdb_applied(tmp_path) < changes_in_log(tmp_path)  # the last ones: only in the log
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
+
+
+def assert_every_answered_change_back(path: Path) -> None:
+    """The store a killed LOG_WRITER of 300 files leaves holds every change it answered."""
+    meta = MetaStore(LmdbEngine(path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
         names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
         assert names == {b"f%d" % n for n in range(1, 300)} | {b"renamed"}
@@ -1285,6 +1288,14 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
         check_store(meta)
     finally:
         meta.close()
+
+
+def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
+    """Every change answered before a kill -9 is there after the next open: those LMDB did
+    not hold yet come back from the change log, which is then emptied."""
+    kill_log_writer(tmp_path, 300)
+    assert lmdb_applied(tmp_path) < changes_in_log(tmp_path)  # the last ones: only in the log
+    assert_every_answered_change_back(tmp_path)
     assert list(tmp_path.glob("changes-*.log")) == []  # a clean close leaves no log
 
 
@@ -1308,9 +1319,7 @@ def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
 def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
     """A crash of kvfs before marshal payloads leaves records of entries: the next open
     replays them like its own (the same log rewritten in that format gives the same store)."""
-    result = subprocess.run([sys.executable, "-c", LOG_WRITER, str(tmp_path), "300"],
-                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr
+    kill_log_writer(tmp_path, 300)
     records = changes_in_log(tmp_path)
     for segment in tmp_path.glob("changes-*.log"):
         data, rewritten, at = segment.read_bytes(), bytearray(), 0
@@ -1324,14 +1333,7 @@ def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
             at += _HEADER.size + length
         segment.write_bytes(rewritten + bytes(max(0, len(data) - len(rewritten))))
     assert changes_in_log(tmp_path) == records
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
-    try:
-        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
-        assert names == {b"f%d" % n for n in range(1, 300)} | {b"renamed"}
-        assert meta.usage().files == 300
-        check_store(meta)
-    finally:
-        meta.close()
+    assert_every_answered_change_back(tmp_path)
 
 
 STOPPED_WRITER = """
@@ -1533,9 +1535,7 @@ def test_read_only_opens_beside_a_busy_writer_read_one_moment(tmp_path: Path) ->
 def test_replay_stops_at_a_torn_record(tmp_path: Path) -> None:
     """A log cut in the middle of a record (a power loss) gives back the whole records before
     it and nothing after: the changes that come back are a prefix of those answered."""
-    result = subprocess.run([sys.executable, "-c", LOG_WRITER, str(tmp_path), "50"],
-                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr
+    kill_log_writer(tmp_path, 50)
     (segment,) = tmp_path.glob("changes-*.log")
     records = changes_in_log(tmp_path)
     data = bytearray(segment.read_bytes())
