@@ -25,6 +25,7 @@ from kvfs.records import fail
 from kvfs.space import Space
 from kvfs.stats import Stats
 from kvfs.verify import VerifyMode
+from kvfs.write_behind import write_behind_counts
 
 CONTROL_DIR = b".kvfs"
 CONTROL_DIR_INO = (1 << 63) - 2
@@ -53,6 +54,7 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "metadata_conflicts": meta.engine.conflicts,
         "metadata_loop_commits": (meta.engine.loop_commits
                                   if isinstance(meta.engine, LoopChanges) else 0),
+        **write_behind_counts(meta.engine),
         "hosts": hosts,
         "models": models,
         "loads": loads.as_dict(),

@@ -23,6 +23,7 @@ from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import snapshot
 from kvfs.cpu_latency import CpuLatency
+from kvfs.engine import LoopChanges
 from kvfs.files import FileTable
 from kvfs.files.spares import SpareMode
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
@@ -73,6 +74,7 @@ class MountConfig:
     io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
     spares: SpareMode = SpareMode.ON  # staged files made ahead (kvfs/files/spares.py)
     cpu_latency_us: int | None = None  # CPU wake-up limit while requests flow; None: none
+    write_behind_ms: float = 0  # a shared pool's changes answered ahead, sent every MS; 0: off
 
 
 def check_mountpoint(path: Path) -> None:
@@ -145,6 +147,9 @@ class Daemon:
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.session.on_lost = self.files.spares.forget
+        if config.write_behind_ms and isinstance(self.meta.engine, LoopChanges):
+            self.files.leave_data_sync = self.meta.engine.write_behind(
+                config.write_behind_ms / 1000, self.data.sync_volume)
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
@@ -258,6 +263,7 @@ class Daemon:
         try:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
+            self.meta.engine.sync()  # (write-behind: no blob is published before its commit)
             self.files.publish_remaining()
             self.files.reap_remaining()
             if self.shared:

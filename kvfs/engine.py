@@ -102,6 +102,11 @@ class Txn(Protocol):
         entries): a shared engine's cache then answers misses there from memory."""
         ...
 
+    def agree_first(self) -> None:
+        """A change other hosts' changes build on (of a directory, a removal): a shared
+        engine answers it only once the pool has it, never ahead (write-behind)."""
+        ...
+
     def count(self, family: str, key: bytes) -> int:
         """A counter's value (0 if never added to); not read inside a change, so that hot
         counters never make changes conflict."""
@@ -178,6 +183,13 @@ class LoopChanges(Protocol):
     async def change_on_loop(self, function: Callable[[], T]) -> T:
         """Call `function`, which makes one change and has no other effects (it may run
         twice), committing from the loop; RoundTripNeeded where a worker must call it."""
+        ...
+
+    def write_behind(self, gather_seconds: float, sync_data: Callable[[], None]
+                     ) -> Callable[[], None]:
+        """Answer changes ahead of the pool from now on, sent in batches every
+        `gather_seconds` (kvfs/write_behind.py); `sync_data` flushes the data volume before a
+        batch. Returns what a close calls when it leaves its data's sync to the next batch."""
         ...
 
 
@@ -423,6 +435,9 @@ class _LayeredTxn:
 
     def known_empty(self, family: str, prefix: bytes) -> None:
         self.emptied.append((family, prefix))  # (for a KeyTracker: LMDB needs no hint)
+
+    def agree_first(self) -> None:
+        pass  # (one host: nothing is answered ahead of anyone)
 
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """LMDB's keys merged with the pending ones, in key order."""

@@ -72,7 +72,14 @@ from redis.retry import Retry
 
 from kvfs.engine import RoundTripNeeded, get_through
 from kvfs.records import fail
-from kvfs.redis_loop import CONNECT_TIMEOUT, REQUEST_TIMEOUT, LoopConnection, LoopConnectionError
+from kvfs.redis_loop import (
+    CONNECT_TIMEOUT,
+    REQUEST_TIMEOUT,
+    LoopConnection,
+    LoopConnectionError,
+    packed_command,
+)
+from kvfs.write_behind import SETTLE_SECONDS, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -108,31 +115,46 @@ WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # first of a burst is still read at once).
 WATCH_GATHER_SECONDS = 0.005
 CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
-# KEYS: the records a change read, then one key per write; ARGV: how many were read, what
-# each held ("" if absent, else "=" + value), then per write: op, key index (0: none), a, b.
+# A batch of changes, each checked against what the ones before it left and applied only if
+# every record it read still holds what it read; returns 1 (applied) or 0 per change. ARGV: how
+# many changes, then per change: its key count, its argument count and its arguments: how many
+# records it read, what each held ("" if absent, else "=" + value), then per write: op, key
+# index among its keys (0: none), a, b. KEYS: per change, the records it read, then one per
+# write. The announcements of the changes applied go out as one message. (A single commit is
+# a batch of one: `batched`.)
 COMMIT_SCRIPT = """
-local read = tonumber(ARGV[1])
-for i = 1, read do
-  local held, now = ARGV[1 + i], redis.call('GET', KEYS[i])
-  if held == '' then
-    if now then return 0 end
-  elseif now ~= string.sub(held, 2) then
-    return 0
+local applied, at, base, channel, message = {}, 2, 0, nil, nil
+for c = 1, tonumber(ARGV[1]) do
+  local keys, args, first = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), at + 2
+  local read, ok = tonumber(ARGV[first]), 1
+  for i = 1, read do
+    local held, now = ARGV[first + i], redis.call('GET', KEYS[base + i])
+    if held == '' then
+      if now then ok = 0 break end
+    elseif now ~= string.sub(held, 2) then
+      ok = 0 break
+    end
   end
-end
-for at = read + 2, #ARGV, 4 do
-  local op, key, a, b = ARGV[at], KEYS[tonumber(ARGV[at + 1])], ARGV[at + 2], ARGV[at + 3]
-  if op == 'S' then redis.call('SET', key, a)
-  elseif op == 'D' then redis.call('DEL', key)
-  elseif op == 'Z' then redis.call('ZADD', key, 0, a)
-  elseif op == 'R' then redis.call('ZREM', key, a)
-  elseif op == 'I' then redis.call('HINCRBY', key, a, b)
-  elseif op == 'H' then redis.call('HDEL', key, a)
-  elseif op == 'P' then redis.call('PUBLISH', a, b)
+  if ok == 1 then
+    for w = first + read + 1, first + args - 1, 4 do
+      local op, key, a, b = ARGV[w], KEYS[base + tonumber(ARGV[w + 1])], ARGV[w + 2], ARGV[w + 3]
+      if op == 'S' then redis.call('SET', key, a)
+      elseif op == 'D' then redis.call('DEL', key)
+      elseif op == 'Z' then redis.call('ZADD', key, 0, a)
+      elseif op == 'R' then redis.call('ZREM', key, a)
+      elseif op == 'I' then redis.call('HINCRBY', key, a, b)
+      elseif op == 'H' then redis.call('HDEL', key, a)
+      elseif op == 'P' then  -- (one message for the batch: the engine id once)
+        if message then message = message .. string.sub(b, ID_END) else channel, message = a, b end
+      end
+    end
   end
+  applied[c] = ok
+  at, base = first + args, base + keys
 end
-return 1
-"""
+if message then redis.call('PUBLISH', channel, message) end
+return applied
+""".replace("ID_END", str(ENGINE_ID_BYTES + 1))
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])
@@ -188,6 +210,19 @@ def _set_keys(family: str, start: bytes) -> list[bytes]:
 
 def _counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
+
+
+ScriptCall = tuple[list[bytes], list[bytes | int]]  # a change's part of COMMIT_SCRIPT's call
+
+
+def batched(calls: list[ScriptCall]) -> ScriptCall:
+    """COMMIT_SCRIPT's keys and arguments for changes checked and applied in this order."""
+    keys: list[bytes] = []
+    args: list[bytes | int] = [len(calls)]
+    for change_keys, change_args in calls:
+        keys += change_keys
+        args += [len(change_keys), len(change_args), *change_args]
+    return keys, args
 
 
 def _complete_prefix(record: bytes) -> bytes:
@@ -393,10 +428,12 @@ class _Reader:
         return self.engine.read_through(family, key, to_family, self.cached)
 
     def count(self, family: str, key: bytes) -> int:
+        self.engine.caught_up()
         raw = self.engine.call(self.client.hget, _counter_key(family), key)
         return int(raw) if raw is not None else 0
 
     def counts(self, family: str) -> dict[bytes, int]:
+        self.engine.caught_up()
         raw = cast("dict[bytes, bytes]",  # bytes replies (see _reply)
                    self.engine.call(self.client.hgetall, _counter_key(family)))
         return {key: int(value) for key, value in sorted(raw.items())}
@@ -407,7 +444,7 @@ class _Reader:
     def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
-    delete = pop = clear = add = discard = known_empty = put
+    delete = pop = clear = add = discard = known_empty = agree_first = put
 
 
 class _Change:
@@ -424,6 +461,8 @@ class _Change:
         self.watched: set[bytes] = set()
         self.read: dict[bytes, bytes | None] = {}  # records read so far -> what they held
         self.emptied: list[bytes] = []  # key prefixes (records) with no record yet
+        self.agreed = False  # `agree_first`: never answered ahead of Redis
+        self.function: Callable[[_Change], object] | None = None  # (answered ahead: to redo)
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if (family, key) in self.writes:
@@ -477,6 +516,14 @@ class _Change:
         if self.engine.cache.cacheable(family):
             self.emptied.append(_record_key(family, prefix))
 
+    def agree_first(self) -> None:
+        self.agreed = True
+
+    def record_writes(self) -> list[tuple[bytes, bytes | None]]:
+        """(Redis key, value or None) of each record it writes (counters aside)."""
+        return [(_record_key(family, key), value) for (family, key), value in self.writes.items()
+                if family not in COUNTERS]
+
     def count(self, family: str, key: bytes) -> int:
         raise TypeError("counters are added to, not read, inside a change")
 
@@ -513,7 +560,7 @@ class _Change:
             if value is not None:
                 yield key, value
 
-    def _script_call(self, with_writes: bool) -> tuple[list[bytes], list[bytes | int]]:
+    def script_call(self, with_writes: bool) -> ScriptCall:
         """COMMIT_SCRIPT's keys and arguments: the checks, and the writes if `with_writes`."""
         keys = list(self.read)
         args: list[bytes | int] = [len(keys)]
@@ -552,19 +599,19 @@ class _Change:
     def _run_script(self, with_writes: bool) -> bool:
         """Whether nothing the change read (records, and scanned partitions) has changed;
         if so, and `with_writes`, its writes are applied in the same step."""
-        keys, args = self._script_call(with_writes)
+        keys, args = batched([self.script_call(with_writes)])
         if not self.watched:
-            return bool(self.engine.commit_script(keys, args))
+            return self.engine.commit_script(keys, args) == [1]
         self.pipe.multi()
         self.engine.commit_script(keys, args, client=self.pipe)
         try:
             [applied] = self.pipe.execute()
         except redis.WatchError:
             return False
-        return bool(applied)
+        return applied == [1]
 
     def commit(self) -> None:
-        written, moment = self._cached_writes()
+        written, moment = self.cached_writes()
         try:
             applied = self._run_script(with_writes=True)
         except BaseException:
@@ -574,8 +621,8 @@ class _Change:
 
     async def commit_on_loop(self, connection: LoopConnection) -> None:
         """`commit` from the trio loop (for a change that scanned nothing)."""
-        written, moment = self._cached_writes()
-        keys, args = self._script_call(with_writes=True)
+        written, moment = self.cached_writes()
+        keys, args = batched([self.script_call(with_writes=True)])
         try:
             with trio.CancelScope(shield=True):  # once sent, a commit is seen through
                 applied = await connection.script(self.engine.commit_script.sha, COMMIT_SCRIPT,
@@ -583,9 +630,9 @@ class _Change:
         except BaseException:
             self._outcome_unknown(written)
             raise
-        self._committed(bool(applied), written, moment)
+        self._committed(applied == [1], written, moment)
 
-    def _cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
+    def cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
         """What the commit writes of the cached families, and the cache's count of changes
         before it."""
         cache = self.engine.cache
@@ -633,6 +680,8 @@ class RedisEngine:
         self.loop_connection = LoopConnection(url)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
+        self.behind: WriteBehind | None = None  # (`write_behind`)
+        self._changed: Callable[[str, bytes], None] | None = None  # (`watch`'s callback)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -677,6 +726,10 @@ class RedisEngine:
         pending = getattr(self._on_loop, "pending", None)
         if pending is not None:
             return self._change_for_loop(change, pending)
+        self.caught_up()  # (write-behind: after what this host answered before)
+        return self._change(change)
+
+    def _change(self, change: Callable[[_Change], T]) -> T:
         for attempt in range(CHANGE_ATTEMPTS):
             with self.client.pipeline(transaction=True) as pipe:
                 txn = _Change(self, pipe)
@@ -716,6 +769,13 @@ class RedisEngine:
         if not pending:
             return result
         [txn] = pending
+        behind = self.behind
+        if behind is not None:
+            if not txn.agreed and behind.open:
+                self._answer_ahead(txn, behind)
+                return result
+            if not behind.idle():  # (a worker's change waits for the queue first)
+                raise RoundTripNeeded
         try:
             await txn.commit_on_loop(self.loop_connection)
         except redis.WatchError:
@@ -730,6 +790,13 @@ class RedisEngine:
             self._came_back()
         return result
 
+    def _answer_ahead(self, txn: _Change, behind: WriteBehind) -> None:
+        """Answer `txn` before Redis has it: it joins the write-behind queue."""
+        written, moment = txn.cached_writes()
+        behind.queue(txn)
+        self.cache.wrote(written, moment, txn.emptied)
+        self.on_change()
+
     def _change_for_loop(self, change: Callable[[_Change], T], pending: list[_Change]) -> T:
         """(`change_on_loop`) Run `change` from the cache; its commit joins `pending`."""
         if pending:  # (a second change would read the first one's writes before they land)
@@ -742,27 +809,46 @@ class RedisEngine:
                 raise
             except Exception:
                 raise RoundTripNeeded from None
+        txn.function = change
         pending.append(txn)
         return result
 
     def read(self, family: str, records: list[bytes], cached: bool = True
              ) -> list[bytes | None]:
-        """Records (their Redis keys) of one family: from the cache where it has them
-        (`cached`: for a change, whose commit checks them), the rest in one round trip."""
-        if not self.cache.cacheable(family):
+        """Records (their Redis keys) of one family: what this host answered ahead of Redis
+        (write-behind), then from the cache where it has them (`cached`: for a change, whose
+        commit checks them), the rest in one round trip. The write-behind sender reads
+        Redis alone."""
+        ahead, kept = self._known_here(family)
+        if not ahead and not kept:
             return self._fetch(records)
-        found: list[Cached] = ([self.cache.get(record) for record in records] if cached
-                               else [_Cached.MISS] * len(records))
+        found: list[Cached] = [_Cached.MISS] * len(records)
+        if ahead:
+            found = [ahead.get(record, _Cached.MISS) for record in records]
+        if kept and cached:
+            found = [self.cache.get(record) if value is _Cached.MISS else value
+                     for record, value in zip(records, found, strict=True)]
         missing = [record for record, value in zip(records, found, strict=True)
                    if value is _Cached.MISS]
         if not missing:
             return cast("list[bytes | None]", found)
         moment = self.cache.changes
         fetched = self._fetch(missing)
-        self.cache.keep(missing, fetched, moment)
+        if kept:
+            self.cache.keep(missing, fetched, moment)
         by_record = dict(zip(missing, fetched, strict=True))
         return [by_record[record] if value is _Cached.MISS else value
                 for record, value in zip(records, found, strict=True)]
+
+    def _known_here(self, family: str) -> tuple[dict[bytes, bytes | None], bool]:
+        """(this host's records answered ahead of Redis, whether the cache keeps `family`):
+        neither on the write-behind sender, which reads Redis as it is."""
+        behind = self.behind
+        if behind is None:
+            return {}, self.cache.cacheable(family)
+        if behind.on_sender():
+            return {}, False
+        return behind.records, self.cache.cacheable(family)
 
     @contextmanager
     def from_memory(self) -> Iterator[None]:
@@ -787,19 +873,27 @@ class RedisEngine:
         entry and its inode): from the cache (`cached`, as in `read`), or in one round trip
         (a script)."""
         record = _record_key(family, key)
-        entry = self.cache.get(record) if cached else _Cached.MISS
+        ahead, kept = self._known_here(family)
+        entry = ahead.get(record, _Cached.MISS)
+        if entry is _Cached.MISS and kept and cached:
+            entry = self.cache.get(record)
         if entry is not _Cached.MISS:
             if entry is None:
                 return None, None
-            return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))])[0]
+            return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))],
+                                    cached)[0]
         prefix = _record_key(to_family, b"")
         moment = self.cache.changes
         fetched, referred = self.call(self.lookup_script, [record], [prefix])
-        self.cache.keep([record], [fetched], moment)
+        if kept:
+            self.cache.keep([record], [fetched], moment)
         if fetched is None:
             return None, None
-        if self.cache.cacheable(to_family):
-            self.cache.keep([prefix + bytes(fetched[:8])], [referred], moment)
+        inode = prefix + bytes(fetched[:8])
+        if inode in ahead:  # (this host changed the inode ahead of Redis)
+            return fetched, ahead[inode]
+        if kept and self.cache.cacheable(to_family):
+            self.cache.keep([inode], [referred], moment)
         return fetched, referred
 
     def allocate(self, key: bytes, count: int) -> int:
@@ -817,12 +911,69 @@ class RedisEngine:
         return room
 
     def sync(self, timeout: float | None = None) -> bool:
-        """Redis persists by its own settings (the README says which kvfs needs)."""
-        return True
+        """Wait until Redis has every change answered so far (write-behind); Redis persists
+        them by its own settings (the README says which kvfs needs)."""
+        return self.behind is None or self.behind.settle(timeout)
+
+    # -- write-behind ----------------------------------------------------------------------
+
+    def write_behind(self, gather_seconds: float, sync_data: Callable[[], None]
+                     ) -> Callable[[], None]:
+        self.behind = WriteBehind(self, gather_seconds, sync_data)
+        return self.behind.data_left
+
+    def caught_up(self) -> None:
+        """Before a change made the long way, or a read of what a scan or a counter sums
+        up: the write-behind queue in Redis (EIO if it cannot get there)."""
+        if self.behind is not None and not self.behind.settle(SETTLE_SECONDS):
+            raise fail(errno.EIO)
+
+    def commit_batch(self, batch: list[_Change]) -> list[int]:
+        """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change."""
+        keys, args = batched([change.script_call(with_writes=True) for change in batch])
+        return cast("list[int]", self.call(self._commit_packed, keys, args))
+
+    def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:
+        """COMMIT_SCRIPT's call packed by hiredis in one step (redis-py encodes each argument
+        in Python first: half the write-behind thread's time, with a batch's ~1,000)."""
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            try:
+                connection.send_packed_command([packed_command(
+                    (b"EVALSHA", self.commit_script.sha, len(keys), *keys, *args))])
+                return connection.read_response()
+            except redis.exceptions.NoScriptError:
+                connection.send_packed_command([packed_command(
+                    (b"EVAL", COMMIT_SCRIPT, len(keys), *keys, *args))])
+                return connection.read_response()
+        except (redis.ConnectionError, redis.TimeoutError):
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+
+    def holds_writes(self, change: _Change) -> bool:
+        """Whether Redis holds every record `change` writes as it writes it (it was applied)."""
+        written = change.record_writes()
+        return bool(written) and self._fetch([record for record, _ in written]) == [
+            value for _, value in written]
+
+    def read_again(self, change: _Change) -> None:
+        """Names and attributes `change` wrote ahead of Redis that Redis may hold otherwise:
+        read again from Redis by this host's cache and kernel."""
+        announced_records = [(family, key) for family, key in change.writes
+                             if family in ANNOUNCED]
+        self.cache.drop(_record_key(family, key) for family, key in announced_records)
+        self.on_change()
+        if self._changed is not None:
+            for family, key in announced_records:
+                self._changed(family, key)
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
         if self._watcher is not None:
             raise RuntimeError("this engine already watches other hosts' changes")
+        self._changed = changed
         self._watcher = threading.Thread(target=self._listen, args=(changed,),
                                          name="kvfs-watch", daemon=True)
         self._watcher.start()
@@ -882,6 +1033,8 @@ class RedisEngine:
                 log.exception("handling another host's change of %s %r failed", family, key)
 
     def close(self) -> None:
+        if self.behind is not None:
+            self.behind.close()
         self._closing.set()
         if self._watcher is not None:
             self._watcher.join(timeout=2 * WATCH_POLL_SECONDS)
@@ -903,6 +1056,7 @@ class RedisEngine:
                     start: bytes) -> Iterator[tuple[bytes, bytes]]:
         """What Redis holds of `family` from `start`, in key order (for a partitioned
         family: up to the end of start's partition)."""
+        self.caught_up()
         if family in PARTITIONED or family in INDEXED:
             streams = [self._walk_set(conn, set_key, family, start)
                        for set_key in _set_keys(family, start)]

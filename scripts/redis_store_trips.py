@@ -74,11 +74,14 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=500, help="files stored (measured)")
     parser.add_argument("--no-monitor", action="store_true", help="time the steps only")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
+    parser.add_argument("--mount-options", default="",
+                        help="more options for the mount, e.g. '--write-behind 5'")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="redis-trips-", dir=args.workdir))
     local = LocalRedis(work / "redis")
-    mount = KvfsMount(work / "data", work / "mnt", ["--meta", local.url])
+    mount = KvfsMount(work / "data", work / "mnt", ["--meta", local.url,
+                                                    *args.mount_options.split()])
     mount.mountpoint.mkdir()
     try:
         local.start()

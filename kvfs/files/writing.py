@@ -228,7 +228,10 @@ class WritingOps(RetiringOps):
         volume helper does it, or where the store syncs: there the volume's operations are
         round trips. (A worker's renames, beside the loop, would cost it more in GIL
         hand-offs than it saves.)"""
-        if staged.syncs:
+        if self.leave_data_sync is not None:
+            blob = staged.finish(ino, hash_later, sync=False)
+            self.leave_data_sync()
+        elif staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
@@ -252,6 +255,8 @@ class WritingOps(RetiringOps):
         async for staged in self._publish_queue:
             batch = [staged, *self._queued_for_publisher()]
             try:
+                if self.leave_data_sync is not None:  # (never a blob before its commit)
+                    await self.meta_call(self.meta.engine.sync)
                 for blob_id, error in await self._publish(batch):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)

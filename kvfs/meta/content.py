@@ -76,6 +76,8 @@ class ContentOps(MetaBase):
         def change(txn: Txn) -> tuple[Inode, int]:
             inode = self._get(txn, ino)
             old_blob = inode.blob
+            if old_blob:  # (the caller frees it on this change's word)
+                txn.agree_first()
             self._release_blob(txn, old_blob)
             size = allocated = 0
             if blob is not None:

@@ -1,0 +1,208 @@
+"""A shared pool's changes answered before Redis has them (`--write-behind MS`).
+
+A store on a Redis pool is three changes (the create, the close's content commit and the
+rename), each a commit script's round trip, and the close first syncs the file's data: ~2.6
+ms at one thread, where the embedded engine takes ~0.5. With write-behind, a change whose reads
+this host's memory answers (`RedisEngine.change_on_loop`) is answered at once and queued; a
+thread of its own (`kvfs-behind`) sends the queue every MS milliseconds, or at once when a
+caller waits for it (`settle`), as one batch: one `syncfs` of the data volume if closes left
+their data to it (so that no host can see a name before its bytes are on the volume), then
+one COMMIT_SCRIPT call that checks and applies the changes in order and announces them.
+
+- This host sees what it answered at once: the queued changes' records (`records`) are read
+  before the record cache and Redis. Scans, counters and changes made the long way (in a
+  worker) first wait until the queue is in Redis (`settle`), so that no listing, count or
+  change of this host's is ahead of what it answered. (A loop change answered while such a
+  change runs goes to Redis after it: if it read what that change wrote, the batch finds it
+  stale, below.)
+- A change the batch finds stale (another host changed what it read meanwhile) is made again
+  from Redis, the long way, with the inode numbers, cookies and times it was answered with
+  (`_redo`): a rename onto a name that another host stored meanwhile replaces that file, as if
+  it came after it. A change that now fails (its file removed by another host, its name taken
+  by another host's `O_EXCL` create in the same few milliseconds) is undone, logged and counted
+  (`write_behind_lost`). Either way the names and attributes it wrote are read again from
+  Redis, by this host's cache and kernel.
+- Never answered ahead (the metadata store marks them, `Txn.agree_first`): creating, moving or
+  removing a directory, and every removal: what other hosts' changes build on.
+- What a crash may lose: a daemon killed with changes queued loses them (at most MS
+  milliseconds of them, and the batch on its way); the staged data they named belongs to no
+  committed file, and is deleted with the dead session. Redis unreachable: the queue waits
+  and goes once Redis is back; callers that wait for it get EIO after SETTLE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfs.redis_engine import RedisEngine, _Change
+
+log = logging.getLogger(__name__)
+
+SETTLE_SECONDS = 4.0  # a caller's wait for the queue to reach Redis (two attempts of 2 s)
+RETRY_SECONDS = 0.5  # after a batch Redis did not take
+
+
+class WriteBehind:
+    """The queue of changes answered ahead of Redis, and the thread that sends it."""
+
+    def __init__(self, engine: RedisEngine, gather_seconds: float,
+                 sync_data: Callable[[], None]) -> None:
+        self.engine = engine
+        self.gather_seconds = gather_seconds
+        self.sync_data = sync_data  # (syncfs of the data volume)
+        self.records: dict[bytes, bytes | None] = {}  # what the queue wrote, newest value
+        self._written_by: dict[bytes, int] = {}  # record -> the last change that wrote it
+        self._queue: list[_Change] = []
+        self._answered = self._settled = 0  # changes answered; of those, in Redis
+        self._unsynced = self._synced = 0  # closes that left their data to the next batch
+        self._hurry = False  # a caller waits: send without gathering
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread_state = threading.local()
+        self.answered = self.batches = self.redone = self.lost = 0
+        self._thread = threading.Thread(target=self._run, name="kvfs-behind", daemon=True)
+        self._thread.start()
+
+    # -- the loop's side ------------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        """Whether changes may be answered ahead (until `close`)."""
+        return not self._closing
+
+    def idle(self) -> bool:
+        """Nothing queued, no data waiting for a sync: a change may commit directly."""
+        return not self._queue and self._synced >= self._unsynced
+
+    def queue(self, change: _Change) -> None:
+        """(the loop) `change` is answered: it goes with the next batch, and this host reads
+        its writes from now on."""
+        with self._cond:
+            self._answered += 1
+            for record, value in change.record_writes():
+                self.records[record] = value
+                self._written_by[record] = self._answered
+            self._queue.append(change)
+            self._cond.notify()
+        self.answered += 1
+
+    def data_left(self) -> None:
+        """(the loop) A close left its data's sync to the next batch, which syncs before
+        any commit of this host's reaches Redis."""
+        with self._cond:
+            self._unsynced += 1
+            self._cond.notify()
+
+    # -- waiting for the queue ------------------------------------------------------------
+
+    def on_sender(self) -> bool:
+        """Whether this thread is the sender (whose reads and redone changes go to Redis)."""
+        return getattr(self._thread_state, "sender", False)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until every change answered so far is in Redis (and what closes wrote before
+        them on the volume), or `timeout` seconds pass; whether they are."""
+        if self.on_sender():
+            return True
+        with self._cond:
+            answered, unsynced = self._answered, self._unsynced
+            if self._settled >= answered and self._synced >= unsynced:
+                return True
+            self._hurry = True
+            self._cond.notify_all()
+            return self._cond.wait_for(
+                lambda: self._settled >= answered and self._synced >= unsynced, timeout)
+
+    # -- the sender -----------------------------------------------------------------------
+
+    def _waiting(self) -> bool:
+        """(lock held) Whether there is anything to send or sync."""
+        return bool(self._queue) or self._synced < self._unsynced
+
+    def _run(self) -> None:
+        self._thread_state.sender = True
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or self._waiting())
+                if not self._closing:  # (let a batch gather, unless someone waits)
+                    self._cond.wait_for(lambda: self._hurry or self._closing,
+                                        self.gather_seconds)
+                if not self._waiting():
+                    return  # (closing)
+                batch, self._queue = self._queue, []
+                answered, unsynced, self._hurry = self._answered, self._unsynced, False
+            try:
+                redone = self._send(batch, unsynced > self._synced)
+            except Exception as error:  # (Redis unreachable: the batch goes again, first)
+                with self._cond:
+                    self._queue[:0] = batch
+                    if self._closing:
+                        self.lost += len(self._queue)
+                        log.error("unmounted with %d metadata changes not in Redis (%s): "
+                                  "they are lost", len(self._queue), error)
+                        return
+                log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
+                time.sleep(RETRY_SECONDS)
+                continue
+            with self._cond:
+                for change in batch:
+                    for record, _ in change.record_writes():
+                        if self._written_by.get(record, answered + 1) <= answered:
+                            del self._written_by[record], self.records[record]
+                self._settled, self._synced = answered, unsynced
+                self._cond.notify_all()
+            for change in redone:  # (once its queued value no longer answers reads here)
+                self.engine.read_again(change)
+
+    def _send(self, batch: list[_Change], sync: bool) -> list[_Change]:
+        """One batch: the data sync, then the changes in one script; the changes that had to
+        be made again (redone or lost)."""
+        if sync:
+            self.sync_data()
+        if not batch:
+            return []
+        applied = self.engine.commit_batch(batch)
+        self.batches += 1
+        redone = [change for change, ok in zip(batch, applied, strict=True) if not ok]
+        for change in redone:
+            self._redo(change)
+        return redone
+
+    def _redo(self, change: _Change) -> None:
+        """A queued change that Redis found stale: made again from what Redis holds (unless
+        it is there already: a batch sent again after a reply that did not come)."""
+        try:
+            if change.function is not None and not self.engine.holds_writes(change):
+                self.engine.change(change.function)
+            self.redone += 1
+        except Exception as error:
+            self.lost += 1
+            log.warning("a metadata change answered ahead of Redis could not be made: %s "
+                        "(undone)", error)
+
+    def close(self) -> None:
+        """Send what is queued (the thread ends once it has, or given up)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=2 * SETTLE_SECONDS)
+
+    def counts(self) -> dict[str, int]:
+        return {"write_behind_answered": self.answered, "write_behind_batches": self.batches,
+                "write_behind_redone": self.redone, "write_behind_lost": self.lost,
+                "write_behind_queued": len(self._queue)}
+
+
+def write_behind_counts(engine: object) -> dict[str, int]:
+    """The counters of `engine`'s write-behind (zeros where it has none)."""
+    behind = getattr(engine, "behind", None)
+    if behind is None:
+        return dict.fromkeys(("write_behind_answered", "write_behind_batches",
+                              "write_behind_redone", "write_behind_lost",
+                              "write_behind_queued"), 0)
+    return behind.counts()
