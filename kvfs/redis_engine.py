@@ -79,7 +79,7 @@ from kvfs.redis_loop import (
     LoopConnectionError,
     packed_command,
 )
-from kvfs.write_behind import SETTLE_SECONDS, WriteBehind
+from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -925,8 +925,11 @@ class RedisEngine:
     def caught_up(self) -> None:
         """Before a change made the long way, or a read of what a scan or a counter sums
         up: the write-behind queue in Redis (EIO if it cannot get there)."""
-        if self.behind is not None and not self.behind.settle(SETTLE_SECONDS):
-            raise fail(errno.EIO)
+        if self.behind is None:
+            return
+        while not self.behind.settle(DOWN_SECONDS):  # (slow under conflicts: wait)
+            if time.monotonic() < self._down_until:
+                raise fail(errno.EIO)  # (it waits until Redis is back)
 
     def commit_batch(self, batch: list[_Change]) -> list[int]:
         """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change."""
@@ -959,16 +962,19 @@ class RedisEngine:
         return bool(written) and self._fetch([record for record, _ in written]) == [
             value for _, value in written]
 
-    def read_again(self, change: _Change) -> None:
-        """Names and attributes `change` wrote ahead of Redis that Redis may hold otherwise:
-        read again from Redis by this host's cache and kernel."""
-        announced_records = [(family, key) for family, key in change.writes
-                             if family in ANNOUNCED]
-        self.cache.drop(_record_key(family, key) for family, key in announced_records)
+    def forget_ahead(self, change: _Change) -> None:
+        """What `change` wrote ahead of Redis, which Redis holds otherwise now: out of the
+        cache (before its queued values stop answering reads)."""
+        self.cache.drop(_record_key(family, key) for family, key in change.writes
+                        if family in ANNOUNCED)
         self.on_change()
+
+    def unsee_ahead(self, change: _Change) -> None:
+        """... and the names and attributes it wrote out of this host's kernel (after)."""
         if self._changed is not None:
-            for family, key in announced_records:
-                self._changed(family, key)
+            for family, key in change.writes:
+                if family in ANNOUNCED:
+                    self._changed(family, key)
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
         if self._watcher is not None:

@@ -27,7 +27,8 @@ one COMMIT_SCRIPT call that checks and applies the changes in order and announce
 - What a crash may lose: a daemon killed with changes queued loses them (at most MS
   milliseconds of them, and the batch on its way); the staged data they named belongs to no
   committed file, and is deleted with the dead session. Redis unreachable: the queue waits
-  and goes once Redis is back; callers that wait for it get EIO after SETTLE_SECONDS.
+  and goes once Redis is back; callers that wait for it meanwhile get EIO, as any request
+  that needs Redis does.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SETTLE_SECONDS = 4.0  # a caller's wait for the queue to reach Redis (two attempts of 2 s)
+CLOSE_SECONDS = 8.0  # at unmount, for the queue to reach Redis
 RETRY_SECONDS = 0.5  # after a batch Redis did not take
 
 
@@ -149,6 +150,8 @@ class WriteBehind:
                 log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
                 time.sleep(RETRY_SECONDS)
                 continue
+            for change in redone:  # (the cache, then the queue, stop answering with it)
+                self.engine.forget_ahead(change)
             with self._cond:
                 for change in batch:
                     for record, _ in change.record_writes():
@@ -156,8 +159,8 @@ class WriteBehind:
                             del self._written_by[record], self.records[record]
                 self._settled, self._synced = answered, unsynced
                 self._cond.notify_all()
-            for change in redone:  # (once its queued value no longer answers reads here)
-                self.engine.read_again(change)
+            for change in redone:
+                self.engine.unsee_ahead(change)
 
     def _send(self, batch: list[_Change], sync: bool) -> list[_Change]:
         """One batch: the data sync, then the changes in one script; the changes that had to
@@ -190,7 +193,7 @@ class WriteBehind:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout=2 * SETTLE_SECONDS)
+        self._thread.join(timeout=CLOSE_SECONDS)
 
     def counts(self) -> dict[str, int]:
         return {"write_behind_answered": self.answered, "write_behind_batches": self.batches,

@@ -255,9 +255,10 @@ class WritingOps(RetiringOps):
         async for staged in self._publish_queue:
             batch = [staged, *self._queued_for_publisher()]
             try:
-                if self.leave_data_sync is not None:  # (never a blob before its commit)
-                    await self.meta_call(self.meta.engine.sync)
-                for blob_id, error in await self._publish(batch):
+                publishing = batch
+                if self.leave_data_sync is not None:
+                    publishing = await self._committed_ahead(batch)
+                for blob_id, error in await self._publish(publishing):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)
             except Exception:  # (a bug: the publisher goes on, the mount stays up)
@@ -267,6 +268,23 @@ class WritingOps(RetiringOps):
                 self._publishing_over(staged.blob_id)
                 self._published_later.pop(staged.blob_id).set()
             self.stats.blobs_publishing = len(self._published_later)
+
+    async def _committed_ahead(self, batch: list[StagedFile]) -> list[StagedFile]:
+        """Write-behind: those of `batch` whose commits reached the pool, once every commit
+        answered before them has (never a blob before its commit). The others' commits were
+        undone (kvfs/write_behind.py): their staged data goes, unpublished."""
+        def settled_and_named() -> set[int]:
+            self.meta.engine.sync()
+            named = self.meta.committed_blobs([staged.blob_id for staged in batch])
+            for staged in batch:
+                if staged.blob_id not in named:
+                    self.data.discard_staging(staged.blob_id)
+            return named
+
+        named = await off_loop(settled_and_named)
+        if len(named) < len(batch):
+            log.warning("%d blobs whose commits were undone discarded", len(batch) - len(named))
+        return [staged for staged in batch if staged.blob_id in named]
 
     async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
         """Publish each blob of `batch`: by the volume helper, else in a worker; the

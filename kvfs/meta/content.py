@@ -22,13 +22,19 @@ class ContentOps(MetaBase):
 
     def content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
         """An inode and the record of its blob, as of one moment (a shared engine's reads
-        are not one snapshot: a blob replaced between the two reads means read again)."""
+        are not one snapshot: a blob replaced between the two reads means read again; so
+        does one this host's changes queued ahead of Redis still name, but another host has
+        replaced and deleted meanwhile: once they are in Redis)."""
+        queue_sent = False
         while True:
             with self.engine.snapshot() as txn:
                 inode = self._get(txn, ino)
                 raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
                 if inode.blob and raw is None and self._get(txn, ino).blob != inode.blob:
                     continue
+            if inode.blob and raw is None and self.engine.shared and not queue_sent:
+                queue_sent = self.engine.sync()
+                continue
             if inode.blob and raw is None:
                 raise fail(errno.EIO)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
@@ -59,6 +65,12 @@ class ContentOps(MetaBase):
     def is_committed_blob(self, blob_id: int) -> bool:
         with self.engine.snapshot() as txn:
             return txn.get("blob", u64(blob_id)) is not None
+
+    def committed_blobs(self, blob_ids: list[int]) -> set[int]:
+        """Those of `blob_ids` that a commit names (one read)."""
+        with self.engine.snapshot() as txn:
+            found = txn.get_many("blob", [u64(blob_id) for blob_id in blob_ids])
+        return {blob_id for blob_id, raw in zip(blob_ids, found, strict=True) if raw is not None}
 
     def allocate_blob_ids(self, count: int) -> range:
         """Take `count` blob ids in one transaction (writers take them in batches)."""
