@@ -35,12 +35,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import lmdb
 
 from kvfs.changelog import KEEP, ChangeLog, Pending, Value, Writes, decode, encode
 from kvfs.lmdb_writer import LmdbWriter, WriterError, hold_writer_lock
+
+if TYPE_CHECKING:
+    from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +189,10 @@ class LoopChanges(Protocol):
         ...
 
     def write_behind(self, gather_seconds: float, sync_data: Callable[[], None]
-                     ) -> Callable[[], None]:
+                     ) -> WriteBehind:
         """Answer changes ahead of the pool from now on, sent in batches every
         `gather_seconds` (kvfs/write_behind.py); `sync_data` flushes the data volume before a
-        batch. Returns what a close calls when it leaves its data's sync to the next batch."""
+        batch. Returns the queue (closes leave their data's sync to it)."""
         ...
 
 

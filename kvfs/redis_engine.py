@@ -918,9 +918,9 @@ class RedisEngine:
     # -- write-behind ----------------------------------------------------------------------
 
     def write_behind(self, gather_seconds: float, sync_data: Callable[[], None]
-                     ) -> Callable[[], None]:
+                     ) -> WriteBehind:
         self.behind = WriteBehind(self, gather_seconds, sync_data)
-        return self.behind.data_left
+        return self.behind
 
     def caught_up(self) -> None:
         """Before a change made the long way, or a read of what a scan or a counter sums

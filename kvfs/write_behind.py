@@ -105,17 +105,19 @@ class WriteBehind:
         """Whether this thread is the sender (whose reads and redone changes go to Redis)."""
         return getattr(self._thread_state, "sender", False)
 
-    def settle(self, timeout: float | None = None) -> bool:
+    def settle(self, timeout: float | None = None, hurry: bool = True) -> bool:
         """Wait until every change answered so far is in Redis (and what closes wrote before
-        them on the volume), or `timeout` seconds pass; whether they are."""
+        them on the volume), or `timeout` seconds pass; whether they are. `hurry`: the batch
+        goes at once rather than when it has gathered."""
         if self.on_sender():
             return True
         with self._cond:
             answered, unsynced = self._answered, self._unsynced
             if self._settled >= answered and self._synced >= unsynced:
                 return True
-            self._hurry = True
-            self._cond.notify_all()
+            if hurry:
+                self._hurry = True
+                self._cond.notify_all()
             return self._cond.wait_for(
                 lambda: self._settled >= answered and self._synced >= unsynced, timeout)
 

@@ -36,6 +36,7 @@ from kvfs.space import Space
 from kvfs.stats import Stats
 from kvfs.verify import LateHasher, Verifier, VerifyMode
 from kvfs.volume_helper import VolumeHelper
+from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class FileState:
         # Set where a shared engine answers changes ahead of Redis (write-behind): a small
         # file's close leaves its data's sync to that engine, which syncs the volume before
         # each batch it sends (one syncfs for many closes, not an fdatasync each).
-        self.leave_data_sync: Callable[[], None] | None = None
+        self.write_behind: WriteBehind | None = None
         self.spares = SpareFiles(data, helper if spares else None, stats, self._take_blob_ids)
         self.verifier = Verifier(data, stats, verify)
         self.hasher = LateHasher(data, meta, self.verifier, stats)

@@ -31,6 +31,7 @@ from kvfs.meta import Inode
 from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo, FsError, fail
 from kvfs.volume_helper import HelperGone, move
+from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,9 @@ class WritingOps(RetiringOps):
         volume helper does it, or where the store syncs: there the volume's operations are
         round trips. (A worker's renames, beside the loop, would cost it more in GIL
         hand-offs than it saves.)"""
-        if self.leave_data_sync is not None:
+        if self.write_behind is not None:
             blob = staged.finish(ino, hash_later, sync=False)
-            self.leave_data_sync()
+            self.write_behind.data_left()
         elif staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
@@ -256,8 +257,8 @@ class WritingOps(RetiringOps):
             batch = [staged, *self._queued_for_publisher()]
             try:
                 publishing = batch
-                if self.leave_data_sync is not None:
-                    publishing = await self._committed_ahead(batch)
+                if self.write_behind is not None:
+                    publishing = await self._committed_ahead(batch, self.write_behind)
                 for blob_id, error in await self._publish(publishing):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)
@@ -269,12 +270,13 @@ class WritingOps(RetiringOps):
                 self._published_later.pop(staged.blob_id).set()
             self.stats.blobs_publishing = len(self._published_later)
 
-    async def _committed_ahead(self, batch: list[StagedFile]) -> list[StagedFile]:
+    async def _committed_ahead(self, batch: list[StagedFile], write_behind: WriteBehind
+                               ) -> list[StagedFile]:
         """Write-behind: those of `batch` whose commits reached the pool, once every commit
         answered before them has (never a blob before its commit). The others' commits were
         undone (kvfs/write_behind.py): their staged data goes, unpublished."""
         def settled_and_named() -> set[int]:
-            self.meta.engine.sync()
+            write_behind.settle(hurry=False)  # (no caller waits: as the batch gathers)
             named = self.meta.committed_blobs([staged.blob_id for staged in batch])
             for staged in batch:
                 if staged.blob_id not in named:
