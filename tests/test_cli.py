@@ -216,6 +216,9 @@ def test_data_dir_on_readonly_volume_is_one_line(tmp_path: Path, readonly_dir: P
     ["--capacity", ""],
     ["--cpu-latency", "fast"],
     ["--cpu-latency", "-1"],
+    ["--write-behind", "soon"],
+    ["--write-behind", "80"],  # (other hosts must see a change within 100 ms)
+    ["--write-behind", "5"],  # (without --meta: the embedded engine answers from memory)
 ])
 def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str]) -> None:
     mnt = tmp_path / "mnt"

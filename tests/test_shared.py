@@ -478,6 +478,127 @@ def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
         meta.close()
 
 
+def vllm_store(directory: Path, name: str, content: bytes) -> None:
+    """A store as vLLM's own tier makes it: an O_EXCL random temporary name, one write, a
+    rename."""
+    final = directory / name
+    assert not final.exists()
+    temporary = f"{final}.{os.urandom(6).hex()}.tmp"
+    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, content)
+    os.close(fd)
+    os.replace(temporary, final)
+
+
+def test_write_behind_answers_stores_at_once_and_every_host_sees_them(shared_pool,
+                                                                        redis_server) -> None:
+    """Host 1 answers its stores' creates, closes and renames before Redis has them, and
+    sends them in batches: it sees them at once, host 2 within the visibility rule."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    second = shared_pool(1)[0]
+    (first.mountpoint / "blocks").mkdir()
+    contents = {f"{n:016x}.bin": os.urandom(4096 + n) for n in range(30)}
+    for name, content in contents.items():
+        vllm_store(first.mountpoint / "blocks", name, content)
+        assert (first.mountpoint / "blocks" / name).read_bytes() == content
+    assert seen_within(lambda: sorted(os.listdir(second.mountpoint / "blocks"))
+                       == sorted(contents))
+    for name, content in contents.items():
+        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    assert sorted(os.listdir(first.mountpoint / "blocks")) == sorted(contents)
+    shown = stats(first.mountpoint)
+    assert shown["write_behind_answered"] >= 3 * len(contents)  # create, close, rename
+    assert shown["write_behind_lost"] == shown["write_behind_redone"] == 0
+    assert shown["metadata_loop_commits"] == 0
+    assert_pool_counters_exact(second)
+    unmount_all([first, second])
+    assert staged_files(first.data) == []
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
+                                                               redis_server) -> None:
+    """Two hosts create one name with O_EXCL within host 1's gathering time: host 1 answered
+    ahead of Redis, host 2's create reached Redis first. Host 1's create (and its close) are
+    undone and counted, and both hosts see host 2's file; nothing of host 1's stays."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    second = shared_pool(1)[0]
+    # (A mount's first create checks the pool's room in Redis, once a second, the long way.)
+    (first.mountpoint / "warm").write_bytes(b"")
+    fd = os.open(first.mountpoint / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"first")
+        with open(second.mountpoint / "lock", "xb") as winner:  # (O_CREAT | O_EXCL)
+            winner.write(b"second")
+    finally:
+        os.close(fd)
+    assert wait_for(lambda: stats(first.mountpoint)["write_behind_lost"] == 2, 5)
+    assert seen_within(lambda: (first.mountpoint / "lock").read_bytes() == b"second")
+    assert ((first.mountpoint / "lock").stat().st_ino
+            == (second.mountpoint / "lock").stat().st_ino)
+    assert sorted(os.listdir(first.mountpoint)) == sorted(os.listdir(second.mountpoint)) == [
+        "lock", "warm"]
+    assert_pool_counters_exact(first)
+    unmount_all([first, second])
+    assert staged_files(first.data) == []
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_renames_of_two_hosts_onto_one_name_are_both_made(shared_pool, redis_server) -> None:
+    """Both hosts store the same key within their gathering time, each answered ahead of
+    Redis: the second rename to reach Redis finds the name taken and is made again from
+    Redis, replacing the first (as if it came after it). One file stays, the same on both
+    hosts, with one host's content; the other's data is deleted."""
+    first, second = shared_pool(2, "--write-behind", "50")
+    for host in (first, second):  # (a mount's first create checks the pool's room, below)
+        (host.mountpoint / f"warm{host.pid}").write_bytes(b"")
+    contents = [b"first host's chunk", b"second host's chunk"]
+    for host, content in zip((first, second), contents, strict=True):
+        vllm_store(host.mountpoint, "chunk.bin", content)
+    assert wait_for(lambda: sum(stats(host.mountpoint)["write_behind_redone"]
+                                for host in (first, second)) >= 1, 5)
+    assert sum(stats(host.mountpoint)["write_behind_lost"] for host in (first, second)) == 0
+    assert seen_within(lambda: (first.mountpoint / "chunk.bin").read_bytes()
+                       == (second.mountpoint / "chunk.bin").read_bytes())
+    assert (first.mountpoint / "chunk.bin").read_bytes() in contents
+    assert sorted(os.listdir(first.mountpoint)) == sorted(os.listdir(second.mountpoint))
+    assert wait_for(lambda: len(blob_files(first)) == 1, 10)  # the replaced one is reaped
+    assert_pool_counters_exact(first)
+    unmount_all([first, second])
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_a_host_killed_with_stores_queued_loses_only_those(shared_pool, redis_server) -> None:
+    """A daemon killed while stores it answered wait in its queue: those never happen (their
+    staged data is reclaimed with the dead session); every name another host sees reads back
+    exactly what was stored under it (a store cut between its steps leaves its temporary
+    name, empty or whole, as a crash between them would without write-behind)."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    second = shared_pool(1)[0]
+    (first.mountpoint / "blocks").mkdir()
+    contents = {f"{n:016x}.bin": os.urandom(4096 + 7 * n) for n in range(40)}
+    for name, content in contents.items():
+        vllm_store(first.mountpoint / "blocks", name, content)
+    first.kill9()
+    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+    for name in os.listdir(second.mountpoint / "blocks"):
+        content = (second.mountpoint / "blocks" / name).read_bytes()
+        if name in contents:
+            assert content == contents[name]
+        else:
+            final, _, _ = name.rpartition(".bin.")
+            assert name.endswith(".tmp") and content in (b"", contents[final + ".bin"])
+    assert_only_spares_staged(first.data, second)
+    assert_pool_counters_exact(second)
+    unmount_all([second])
+    assert staged_files(first.data) == []
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
 def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,
                                                    tmp_path: Path) -> None:
     embedded = make_mount("--capacity", "64M")
