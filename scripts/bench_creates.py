@@ -1,8 +1,8 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
-                                              [--redis] [--io-uring] [--cpu-latency US]
-                                              [--fresh-ext4 SIZE]
+                                              [--redis] [--write-behind MS] [--io-uring]
+                                              [--cpu-latency US] [--fresh-ext4 SIZE]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
@@ -11,12 +11,13 @@ destination. The files go into one directory per run, spread over 16 subdirector
 vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
---io-uring, another LMDB mount takes requests over io_uring (`--io-uring on`); with
---cpu-latency, each kvfs mount has a twin that keeps the CPUs quick to wake while requests
-flow (`--cpu-latency US`); with --fresh-ext4, everything runs on a new ext4 file system
-with its journal, in an image of SIZE in the work directory (stable figures from run to
-run). Needs root (mounting). The mounts, Redis, the image and the work directory (default
-bench-work/ in the repository) are removed at the end.
+--write-behind, another such mount (its own pool, database 1 of that Redis) answers its changes
+ahead of Redis (`--write-behind MS`); with --io-uring, another LMDB mount takes requests over
+io_uring (`--io-uring on`); with --cpu-latency, each kvfs mount has a twin that keeps the
+CPUs quick to wake while requests flow (`--cpu-latency US`); with --fresh-ext4, everything
+runs on a new ext4 file system with its journal, in an image of SIZE in the work directory
+(stable figures from run to run). Needs root (mounting). The mounts, Redis, the image and
+the work directory (default bench-work/ in the repository) are removed at the end.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
     parser.add_argument("--redis", action="store_true",
                         help="also measure a mount whose metadata is in Redis")
+    parser.add_argument("--write-behind", metavar="MS",
+                        help="also measure a Redis mount with --write-behind MS")
     parser.add_argument("--io-uring", action="store_true",
                         help="also measure an LMDB mount with --io-uring on (the kernel's "
                              "fuse.enable_uring must be on)")
@@ -107,12 +110,15 @@ def image_size(text: str) -> int:
 def measure(args: argparse.Namespace, work: Path) -> int:
     """Store files in each variant; prints the table."""
     console = Console(highlight=False)
-    redis = LocalRedis(work / "redis") if args.redis else None
+    redis = LocalRedis(work / "redis") if args.redis or args.write_behind else None
     variants = {"kvfs": []}
     if args.io_uring:
         variants["kvfs-io_uring"] = ["--io-uring", "on"]
-    if redis is not None:
+    if redis is not None and args.redis:
         variants["kvfs-redis"] = ["--meta", redis.url]
+    if redis is not None and args.write_behind:
+        pool = redis.url.rsplit("/", 1)[0] + "/1"  # (a pool of its own)
+        variants["kvfs-redis-write-behind"] = ["--meta", pool, "--write-behind", args.write_behind]
     if args.cpu_latency is not None:
         variants |= {f"{name}-cpu-latency": [*options, "--cpu-latency", args.cpu_latency]
                      for name, options in variants.items()}
