@@ -181,10 +181,12 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 class Bench:
-    def __init__(self, plan: Plan, workdir: Path, mount_options: list[str]) -> None:
+    def __init__(self, plan: Plan, workdir: Path, mount_options: list[str],
+                 redis_options: list[str]) -> None:
         self.plan = plan
         self.workdir = workdir
         self.mount_options = mount_options
+        self.redis_options = redis_options  # (the Redis mounts' alone)
         self.redis = LocalRedis(workdir / "redis")
         self.lmdb = KvfsMount(workdir / "lmdb-data", workdir / "lmdb-mnt", mount_options)
         self.host_a: KvfsMount | None = None  # made once Redis has its port
@@ -233,9 +235,11 @@ class Bench:
             path.mkdir(parents=True, exist_ok=True)
         self.redis.start()
         self.host_a = KvfsMount(self.workdir / "pool-data", self.workdir / "host-a",
-                                ["--meta", self.redis.url, *self.mount_options])
+                                ["--meta", self.redis.url, *self.mount_options,
+                                 *self.redis_options])
         self.host_b = KvfsMount(self.workdir / "pool-data", self.workdir / "host-b",
-                                ["--meta", self.redis.url, *self.mount_options])
+                                ["--meta", self.redis.url, *self.mount_options,
+                                 *self.redis_options])
         for mount in self.mounts:
             mount.mountpoint.mkdir(parents=True, exist_ok=True)
             mount.mount()
@@ -466,6 +470,7 @@ def save(bench: Bench, out: Path, started: float, finished: bool) -> None:
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
         "mount_options": bench.mount_options,
+        "redis_mount_options": bench.redis_options,
         "environment": {
             "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "kvfs_git": git, "workdir": str(bench.workdir),
@@ -499,6 +504,8 @@ def parse_args() -> argparse.Namespace:
                              "files live; must be empty (default %(default)s)")
     parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
                         help="more options for every kvfs mount, e.g. '--cpu-latency 0'")
+    parser.add_argument("--redis-mount-options", default="", metavar="'OPTIONS'",
+                        help="more options for the two Redis mounts, e.g. '--write-behind 5'")
     return parser.parse_args()
 
 
@@ -514,7 +521,8 @@ def main() -> int:
     if workdir.exists() and any(workdir.iterdir()):
         CONSOLE.print(f"[red]work directory {workdir} is not empty; remove it first[/]")
         return 1
-    bench = Bench(plan, workdir, shlex.split(args.mount_options))
+    bench = Bench(plan, workdir, shlex.split(args.mount_options),
+                  shlex.split(args.redis_mount_options))
     started, finished = run_cleaning_up(bench, CONSOLE)
     print_report(bench)
     for record in bench.log_problems[:20]:
