@@ -917,9 +917,8 @@ class RedisEngine:
 
     # -- write-behind ----------------------------------------------------------------------
 
-    def write_behind(self, gather_seconds: float, sync_data: Callable[[], None]
-                     ) -> WriteBehind:
-        self.behind = WriteBehind(self, gather_seconds, sync_data)
+    def write_behind(self, gather_seconds: float) -> WriteBehind:
+        self.behind = WriteBehind(self, gather_seconds)
         return self.behind
 
     def caught_up(self) -> None:

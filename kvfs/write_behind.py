@@ -5,9 +5,9 @@ rename), each a commit script's round trip, and the close first syncs the file's
 ms at one thread, where the embedded engine takes ~0.5. With write-behind, a change whose reads
 this host's memory answers (`RedisEngine.change_on_loop`) is answered at once and queued; a
 thread of its own (`kvfs-behind`) sends the queue every MS milliseconds, or at once when a
-caller waits for it (`settle`), as one batch: one `syncfs` of the data volume if closes left
-their data to it (so that no host can see a name before its bytes are on the volume), then
-one COMMIT_SCRIPT call that checks and applies the changes in order and announces them.
+caller waits for it (`settle`), as one batch: the files whose closes left their data's sync to
+it are synced together (so that no host can see a name before its bytes are on the volume),
+then one COMMIT_SCRIPT call checks and applies the changes in order and announces them.
 
 - This host sees what it answered at once: the queued changes' records (`records`) are read
   before the record cache and Redis. Scans, counters and changes made the long way (in a
@@ -33,10 +33,12 @@ one COMMIT_SCRIPT call that checks and applies the changes in order and announce
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,21 +48,24 @@ log = logging.getLogger(__name__)
 
 CLOSE_SECONDS = 8.0  # at unmount, for the queue to reach Redis
 RETRY_SECONDS = 0.5  # after a batch Redis did not take
+SYNCERS = 4  # threads that sync a batch's files at once
+SYNCFS_DIRTY_MAX = 16 << 20  # dirty page cache up to which a batch syncs the whole volume
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class WriteBehind:
     """The queue of changes answered ahead of Redis, and the thread that sends it."""
 
-    def __init__(self, engine: RedisEngine, gather_seconds: float,
-                 sync_data: Callable[[], None]) -> None:
+    def __init__(self, engine: RedisEngine, gather_seconds: float) -> None:
         self.engine = engine
         self.gather_seconds = gather_seconds
-        self.sync_data = sync_data  # (syncfs of the data volume)
         self.records: dict[bytes, bytes | None] = {}  # what the queue wrote, newest value
         self._written_by: dict[bytes, int] = {}  # record -> the last change that wrote it
         self._queue: list[_Change] = []
         self._answered = self._settled = 0  # changes answered; of those, in Redis
-        self._unsynced = self._synced = 0  # closes that left their data to the next batch
+        self._to_sync: list[int] = []  # descriptors of files closes left to the next batch
+        self._unsynced = self._synced = 0  # (how many so far, and of those synced)
+        self._syncers = ThreadPoolExecutor(SYNCERS, thread_name_prefix="kvfs-behind-sync")
         self._hurry = False  # a caller waits: send without gathering
         self._closing = False
         self._cond = threading.Condition()
@@ -92,10 +97,12 @@ class WriteBehind:
             self._cond.notify()
         self.answered += 1
 
-    def data_left(self) -> None:
-        """(the loop) A close left its data's sync to the next batch, which syncs before
-        any commit of this host's reaches Redis."""
+    def data_left(self, fd: int) -> None:
+        """(the loop) A close left the sync of its file's data (`fd`, which the queue now
+        owns) to the next batch, which syncs it before any commit of this host's reaches
+        Redis."""
         with self._cond:
+            self._to_sync.append(fd)
             self._unsynced += 1
             self._cond.notify()
 
@@ -138,9 +145,11 @@ class WriteBehind:
                 if not self._waiting():
                     return  # (closing)
                 batch, self._queue = self._queue, []
+                to_sync, self._to_sync = self._to_sync, []
                 answered, unsynced, self._hurry = self._answered, self._unsynced, False
+            self._sync(to_sync)
             try:
-                redone = self._send(batch, unsynced > self._synced)
+                redone = self._send(batch)
             except Exception as error:  # (Redis unreachable: the batch goes again, first)
                 with self._cond:
                     self._queue[:0] = batch
@@ -164,11 +173,29 @@ class WriteBehind:
             for change in redone:
                 self.engine.unsee_ahead(change)
 
-    def _send(self, batch: list[_Change], sync: bool) -> list[_Change]:
-        """One batch: the data sync, then the changes in one script; the changes that had to
-        be made again (redone or lost)."""
-        if sync:
-            self.sync_data()
+    def _sync(self, descriptors: list[int]) -> None:
+        """Flush these files' data to the volume, then close them: one `syncfs` of the
+        volume while the machine holds little dirty data (32 fresh 4 KiB files on ext4 here:
+        1.1-1.7 ms, one journal commit), else an `fdatasync` of each, all at once (6 ms for
+        those 32, 19 ms one after another; a `syncfs` would wait for every other writer's
+        dirty data too: 200 ms behind 512 MiB of chunk writes). A failure is logged: the
+        files' block sums find what did not reach the volume."""
+        if not descriptors:
+            return
+        if _dirty_bytes() <= SYNCFS_DIRTY_MAX:
+            error = _syncfs(descriptors[0])
+            for fd in descriptors:
+                os.close(fd)
+            errors = [error] * len(descriptors)
+        else:
+            errors = list(self._syncers.map(_sync_and_close, descriptors))
+        for fd, error in zip(descriptors, errors, strict=True):
+            if error is not None:
+                log.error("syncing a written file (descriptor %d) failed: %s", fd, error)
+
+    def _send(self, batch: list[_Change]) -> list[_Change]:
+        """One batch: the changes in one script; those that had to be made again (redone or
+        lost)."""
         if not batch:
             return []
         applied = self.engine.commit_batch(batch)
@@ -196,11 +223,38 @@ class WriteBehind:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=CLOSE_SECONDS)
+        self._syncers.shutdown(wait=False)
 
     def counts(self) -> dict[str, int]:
         return {"write_behind_answered": self.answered, "write_behind_batches": self.batches,
                 "write_behind_redone": self.redone, "write_behind_lost": self.lost,
                 "write_behind_queued": len(self._queue)}
+
+
+def _dirty_bytes() -> int:
+    """The machine's dirty page cache (/proc/meminfo)."""
+    with open("/proc/meminfo", "rb") as meminfo:
+        for line in meminfo:
+            if line.startswith(b"Dirty:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _syncfs(fd: int) -> OSError | None:
+    if _libc.syncfs(fd):
+        error = ctypes.get_errno()
+        return OSError(error, os.strerror(error))
+    return None
+
+
+def _sync_and_close(fd: int) -> OSError | None:
+    try:
+        os.fdatasync(fd)
+    except OSError as error:
+        return error
+    finally:
+        os.close(fd)
+    return None
 
 
 def write_behind_counts(engine: object) -> dict[str, int]:

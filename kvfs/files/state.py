@@ -189,8 +189,8 @@ class FileState:
         # over io_uring stored 1,183-1,331 files/s that way, 1,822-1,888 renaming itself).
         self.publish_later = helper is not None
         # Set where a shared engine answers changes ahead of Redis (write-behind): a small
-        # file's close leaves its data's sync to that engine, which syncs the volume before
-        # each batch it sends (one syncfs for many closes, not an fdatasync each).
+        # file's close leaves its data's sync to that engine's queue, which syncs the files
+        # of a batch together before sending it (one journal commit for many closes).
         self.write_behind: WriteBehind | None = None
         self.spares = SpareFiles(data, helper if spares else None, stats, self._take_blob_ids)
         self.verifier = Verifier(data, stats, verify)
