@@ -41,6 +41,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from kvfs.records import FsError
+
 if TYPE_CHECKING:
     from kvfs.redis_engine import RedisEngine, _Change
 
@@ -147,10 +149,10 @@ class WriteBehind:
                 batch, self._queue = self._queue, []
                 to_sync, self._to_sync = self._to_sync, []
                 answered, unsynced, self._hurry = self._answered, self._unsynced, False
-            self._sync(to_sync)
             try:
+                self._sync(to_sync)
                 redone = self._send(batch)
-            except Exception as error:  # (Redis unreachable: the batch goes again, first)
+            except FsError as error:  # (Redis unreachable: the batch goes again, first)
                 with self._cond:
                     self._queue[:0] = batch
                     if self._closing:
@@ -161,6 +163,10 @@ class WriteBehind:
                 log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
                 time.sleep(RETRY_SECONDS)
                 continue
+            except Exception:  # (a bug: the batch is undone, the mount stays up)
+                log.exception("a batch of %d metadata changes failed: undone", len(batch))
+                self.lost += len(batch)
+                redone = batch
             for change in redone:  # (the cache, then the queue, stop answering with it)
                 self.engine.forget_ahead(change)
             with self._cond:
@@ -232,12 +238,15 @@ class WriteBehind:
 
 
 def _dirty_bytes() -> int:
-    """The machine's dirty page cache (/proc/meminfo)."""
-    with open("/proc/meminfo", "rb") as meminfo:
-        for line in meminfo:
-            if line.startswith(b"Dirty:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """The machine's dirty page cache (/proc/meminfo; unknown: as if much)."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return SYNCFS_DIRTY_MAX + 1
 
 
 def _syncfs(fd: int) -> OSError | None:

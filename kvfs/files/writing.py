@@ -257,8 +257,9 @@ class WritingOps(RetiringOps):
             batch = [staged, *self._queued_for_publisher()]
             try:
                 publishing = batch
-                if self.write_behind is not None:
-                    publishing = await self._committed_ahead(batch, self.write_behind)
+                if self.write_behind is not None:  # (no caller waits: as the queue gathers)
+                    publishing = await off_loop(self._committed_of, batch, self.write_behind,
+                                                False)
                 for blob_id, error in await self._publish(publishing):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)
@@ -270,22 +271,19 @@ class WritingOps(RetiringOps):
                 self._published_later.pop(staged.blob_id).set()
             self.stats.blobs_publishing = len(self._published_later)
 
-    async def _committed_ahead(self, batch: list[StagedFile], write_behind: WriteBehind
-                               ) -> list[StagedFile]:
-        """Write-behind: those of `batch` whose commits reached the pool, once every commit
-        answered before them has (never a blob before its commit). The others' commits were
-        undone (kvfs/write_behind.py): their staged data goes, unpublished."""
-        def settled_and_named() -> set[int]:
-            write_behind.settle(hurry=False)  # (no caller waits: as the batch gathers)
-            named = self.meta.committed_blobs([staged.blob_id for staged in batch])
-            for staged in batch:
-                if staged.blob_id not in named:
-                    self.data.discard_staging(staged.blob_id)
-            return named
-
-        named = await off_loop(settled_and_named)
-        if len(named) < len(batch):
-            log.warning("%d blobs whose commits were undone discarded", len(batch) - len(named))
+    def _committed_of(self, batch: list[StagedFile], write_behind: WriteBehind, hurry: bool
+                      ) -> list[StagedFile]:
+        """(blocking) Write-behind: those of `batch` whose commits reached the pool, once
+        every commit answered before them has (never a blob before its commit; `hurry`: the
+        queue goes now, else as it gathers). The others' commits were undone
+        (kvfs/write_behind.py): their staged data goes, unpublished."""
+        write_behind.settle(hurry=hurry)
+        named = self.meta.committed_blobs([staged.blob_id for staged in batch])
+        undone = [staged for staged in batch if staged.blob_id not in named]
+        for staged in undone:
+            self.data.discard_staging(staged.blob_id)
+        if undone:
+            log.warning("%d blobs whose commits were undone discarded", len(undone))
         return [staged for staged in batch if staged.blob_id in named]
 
     async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
@@ -312,6 +310,8 @@ class WritingOps(RetiringOps):
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
         a worker call is never abandoned)."""
         queued = self._queued_for_publisher()
+        if self.write_behind is not None:
+            queued = self._committed_of(queued, self.write_behind, True)
         for staged, (error, _, _) in zip(queued, _publish_all(queued), strict=True):
             if error:
                 log.error("publishing blob %016x failed: %s; recovery publishes it",
