@@ -149,7 +149,7 @@ class Daemon:
         self.session.on_lost = self.files.spares.forget
         if config.write_behind_ms and isinstance(self.meta.engine, LoopChanges):
             self.files.write_behind = self.meta.engine.write_behind(
-                config.write_behind_ms / 1000)
+                config.write_behind_ms / 1000, self.data.sync_volume)
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)

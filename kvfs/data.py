@@ -217,6 +217,17 @@ class DataStore:
                 self.staging_path(new_id))
         return os.open(self.staging_path(new_id), os.O_RDWR | os.O_CLOEXEC)
 
+    def sync_volume(self) -> None:
+        """Flush everything written to the volume (syncfs: one journal commit and one device
+        flush for every file written since the last)."""
+        fd = os.open(self.staging_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if _libc.syncfs(fd):
+                error = ctypes.get_errno()
+                raise OSError(error, os.strerror(error))
+        finally:
+            os.close(fd)
+
     def publish(self, blob_id: int) -> None:
         os.rename(self.staging_path(blob_id), self.path(blob_id))
 

@@ -188,10 +188,12 @@ class LoopChanges(Protocol):
         twice), committing from the loop; RoundTripNeeded where a worker must call it."""
         ...
 
-    def write_behind(self, gather_seconds: float) -> WriteBehind:
+    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None]
+                     ) -> WriteBehind:
         """Answer changes ahead of the pool from now on, sent in batches every
-        `gather_seconds` (kvfs/write_behind.py). Returns the queue (closes leave their data's
-        sync to it)."""
+        `gather_seconds` (kvfs/write_behind.py); `sync_volume` flushes the data volume before
+        a batch that follows closes. Returns the queue (closes leave their data's sync to
+        it)."""
         ...
 
 

@@ -917,8 +917,9 @@ class RedisEngine:
 
     # -- write-behind ----------------------------------------------------------------------
 
-    def write_behind(self, gather_seconds: float) -> WriteBehind:
-        self.behind = WriteBehind(self, gather_seconds)
+    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None]
+                     ) -> WriteBehind:
+        self.behind = WriteBehind(self, gather_seconds, sync_volume)
         return self.behind
 
     def caught_up(self) -> None:

@@ -231,7 +231,7 @@ class WritingOps(RetiringOps):
         hand-offs than it saves.)"""
         if self.write_behind is not None:
             blob = staged.finish(ino, hash_later, sync=False)
-            self.write_behind.data_left(os.dup(staged.fd))
+            self.write_behind.data_left()
         elif staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
