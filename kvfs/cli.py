@@ -139,7 +139,7 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-behind", type=write_behind_ms, default=0, metavar="MS",
                         help="with --meta: answer creates, renames and small files' closes "
                              "before Redis has them, and send them every MS milliseconds in "
-                             "one batch (stores ~3x faster; a daemon killed loses what it "
+                             "one batch (stores ~2.5x faster; a daemon killed loses what it "
                              "answered in its last MS ms; default 0: off)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
     parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
