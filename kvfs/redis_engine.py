@@ -116,15 +116,25 @@ WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 WATCH_GATHER_SECONDS = 0.005
 CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
 # A batch of changes, each checked against what the ones before it left and applied only if
-# every record it read still holds what it read; returns 1 (applied) or 0 per change. ARGV: how
-# many changes, then per change: its key count, its argument count and its arguments: how many
-# records it read, what each held ("" if absent, else "=" + value), then per write: op, key
-# index among its keys (0: none), a, b. KEYS: per change, the records it read, then one per
-# write. The announcements of the changes applied go out as one message. (A single commit is
-# a batch of one: `batched`.)
+# every record it read still holds what it read; returns 1 (applied) or 0 per change. ARGV: the
+# batch's token ("" for none), how many changes, then per change: its key count, its argument
+# count and its arguments: how many records it read, what each held ("" if absent, else "=" +
+# value), then per write: op, key index among its keys (0: none), a, b. KEYS: the sender's
+# marker (with a token), then per change the records it read and one per write. The
+# announcements of the changes applied go out as one message. With a token, the marker keeps
+# the batch's answer: a batch sent again (its first reply never came) answers the same without
+# applying anything twice. (A single commit is a batch of one, without a token: `batched`.)
 COMMIT_SCRIPT = """
-local applied, at, base, channel, message = {}, 2, 0, nil, nil
-for c = 1, tonumber(ARGV[1]) do
+local token, applied, at, base, channel, message = ARGV[1], {}, 3, 0, nil, nil
+if token ~= '' then
+  base = 1
+  local done = redis.call('GET', KEYS[1])
+  if done and string.sub(done, 1, #token + 1) == token .. ':' then
+    for i = #token + 2, #done do applied[#applied + 1] = tonumber(string.sub(done, i, i)) end
+    return applied
+  end
+end
+for c = 1, tonumber(ARGV[2]) do
   local keys, args, first = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), at + 2
   local read, ok = tonumber(ARGV[first]), 1
   for i = 1, read do
@@ -153,8 +163,11 @@ for c = 1, tonumber(ARGV[1]) do
   at, base = first + args, base + keys
 end
 if message then redis.call('PUBLISH', channel, message) end
+if token ~= '' then
+  redis.call('SET', KEYS[1], token .. ':' .. table.concat(applied), 'PX', MARKER_MS)
+end
 return applied
-""".replace("ID_END", str(ENGINE_ID_BYTES + 1))
+""".replace("ID_END", str(ENGINE_ID_BYTES + 1)).replace("MARKER_MS", str(600_000))
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])
@@ -215,10 +228,11 @@ def _counter_key(family: str) -> bytes:
 ScriptCall = tuple[list[bytes], list[bytes | int]]  # a change's part of COMMIT_SCRIPT's call
 
 
-def batched(calls: list[ScriptCall]) -> ScriptCall:
-    """COMMIT_SCRIPT's keys and arguments for changes checked and applied in this order."""
-    keys: list[bytes] = []
-    args: list[bytes | int] = [len(calls)]
+def batched(calls: list[ScriptCall], marker: bytes = b"", token: bytes = b"") -> ScriptCall:
+    """COMMIT_SCRIPT's keys and arguments for changes checked and applied in this order
+    (with a `token` kept in `marker`: a batch that may be sent again)."""
+    keys: list[bytes] = [marker] if token else []
+    args: list[bytes | int] = [token, len(calls)]
     for change_keys, change_args in calls:
         keys += change_keys
         args += [len(change_keys), len(change_args), *change_args]
@@ -911,9 +925,12 @@ class RedisEngine:
         return room
 
     def sync(self, timeout: float | None = None) -> bool:
-        """Wait until Redis has every change answered so far (write-behind); Redis persists
-        them by its own settings (the README says which kvfs needs)."""
-        return self.behind is None or self.behind.settle(timeout)
+        """Wait until Redis has every change answered so far (write-behind; not while Redis
+        cannot be reached); Redis persists them by its own settings (the README says which
+        kvfs needs)."""
+        if self.behind is None:
+            return True
+        return self.behind.settle(timeout) if timeout is not None else self.behind.sent()
 
     # -- write-behind ----------------------------------------------------------------------
 
@@ -925,15 +942,19 @@ class RedisEngine:
     def caught_up(self) -> None:
         """Before a change made the long way, or a read of what a scan or a counter sums
         up: the write-behind queue in Redis (EIO if it cannot get there)."""
-        if self.behind is None:
-            return
-        while not self.behind.settle(DOWN_SECONDS):  # (slow under conflicts: wait)
-            if time.monotonic() < self._down_until:
-                raise fail(errno.EIO)  # (it waits until Redis is back)
+        if self.behind is not None and not self.behind.sent():
+            raise fail(errno.EIO)  # (the queue waits until Redis is back)
 
-    def commit_batch(self, batch: list[_Change]) -> list[int]:
-        """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change."""
-        keys, args = batched([change.script_call(with_writes=True) for change in batch])
+    def unreachable(self) -> bool:
+        """Whether the last request found Redis unreachable (for DOWN_SECONDS)."""
+        return time.monotonic() < self._down_until
+
+    def commit_batch(self, batch: list[_Change], token: bytes) -> list[int]:
+        """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change.
+        Sent again with the same `token` (after a reply that never came), it answers as the
+        first time, applying nothing twice."""
+        keys, args = batched([change.script_call(with_writes=True) for change in batch],
+                             PREFIX + b"batch:" + self.id.hex().encode(), token)
         return cast("list[int]", self.call(self._commit_packed, keys, args))
 
     def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:
@@ -955,12 +976,6 @@ class RedisEngine:
             raise
         finally:
             pool.release(connection)
-
-    def holds_writes(self, change: _Change) -> bool:
-        """Whether Redis holds every record `change` writes as it writes it (it was applied)."""
-        written = change.record_writes()
-        return bool(written) and self._fetch([record for record, _ in written]) == [
-            value for _, value in written]
 
     def forget_ahead(self, change: _Change) -> None:
         """What `change` wrote ahead of Redis, which Redis holds otherwise now: out of the

@@ -123,6 +123,14 @@ class WriteBehind:
             return self._cond.wait_for(
                 lambda: self._settled >= answered and self._synced >= unsynced, timeout)
 
+    def sent(self, hurry: bool = True) -> bool:
+        """`settle` for as long as it takes while Redis answers (a batch under conflicts
+        may take seconds); False once Redis cannot be reached."""
+        while not self.settle(RETRY_SECONDS, hurry):
+            if self.engine.unreachable():
+                return False
+        return True
+
     # -- the sender -----------------------------------------------------------------------
 
     def _waiting(self) -> bool:
@@ -141,25 +149,9 @@ class WriteBehind:
                     return  # (closing)
                 batch, self._queue = self._queue, []
                 answered, unsynced, self._hurry = self._answered, self._unsynced, False
-            try:
-                if unsynced > self._synced:
-                    self._sync_volume()
-                redone = self._send(batch)
-            except FsError as error:  # (Redis unreachable: the batch goes again, first)
-                with self._cond:
-                    self._queue[:0] = batch
-                    if self._closing:
-                        self.lost += len(self._queue)
-                        log.error("unmounted with %d metadata changes not in Redis (%s): "
-                                  "they are lost", len(self._queue), error)
-                        return
-                log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
-                time.sleep(RETRY_SECONDS)
-                continue
-            except Exception:  # (a bug: the batch is undone, the mount stays up)
-                log.exception("a batch of %d metadata changes failed: undone", len(batch))
-                self.lost += len(batch)
-                redone = batch
+            redone = self._send_until_taken(batch, unsynced, b"%d" % answered)
+            if redone is None:
+                return  # (closing, and Redis cannot be reached)
             for change in redone:  # (the cache, then the queue, stop answering with it)
                 self.engine.forget_ahead(change)
             with self._cond:
@@ -171,6 +163,31 @@ class WriteBehind:
                 self._cond.notify_all()
             for change in redone:
                 self.engine.unsee_ahead(change)
+
+    def _send_until_taken(self, batch: list[_Change], unsynced: int, token: bytes
+                          ) -> list[_Change] | None:
+        """Sync the volume if closes wait for it, then send `batch` until Redis takes it,
+        with the same `token` each time (a try whose reply never came may have been applied:
+        the script then answers as it did, applying nothing twice); the changes redone or
+        lost. None if the mount closes while Redis cannot be reached (the queue is lost)."""
+        while True:
+            try:
+                if unsynced > self._synced:
+                    self._sync_volume()
+                return self._send(batch, token)
+            except FsError as error:  # (Redis unreachable: the batch goes again)
+                if self._closing:
+                    lost = len(batch) + len(self._queue)
+                    self.lost += lost
+                    log.error("unmounted with %d metadata changes not in Redis (%s): they "
+                              "are lost", lost, error)
+                    return None
+                log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
+                time.sleep(RETRY_SECONDS)
+            except Exception:  # (a bug: the batch is undone, the mount stays up)
+                log.exception("a batch of %d metadata changes failed: undone", len(batch))
+                self.lost += len(batch)
+                return batch
 
     def _sync_volume(self) -> None:
         """Flush what the closes left to this batch to the volume with one `syncfs`: one
@@ -187,12 +204,12 @@ class WriteBehind:
         except OSError as error:
             log.error("syncing the volume failed: %s", error)
 
-    def _send(self, batch: list[_Change]) -> list[_Change]:
+    def _send(self, batch: list[_Change], token: bytes) -> list[_Change]:
         """One batch: the changes in one script; those that had to be made again (redone or
         lost)."""
         if not batch:
             return []
-        applied = self.engine.commit_batch(batch)
+        applied = self.engine.commit_batch(batch, token)
         self.batches += 1
         redone = [change for change, ok in zip(batch, applied, strict=True) if not ok]
         for change in redone:
@@ -200,10 +217,9 @@ class WriteBehind:
         return redone
 
     def _redo(self, change: _Change) -> None:
-        """A queued change that Redis found stale: made again from what Redis holds (unless
-        it is there already: a batch sent again after a reply that did not come)."""
+        """A queued change that Redis found stale: made again from what Redis holds."""
         try:
-            if change.function is not None and not self.engine.holds_writes(change):
+            if change.function is not None:
                 self.engine.change(change.function)
             self.redone += 1
         except Exception as error:

@@ -599,6 +599,35 @@ def test_a_host_killed_with_stores_queued_loses_only_those(shared_pool, redis_se
     assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
 
 
+def test_stores_queued_when_redis_stalls_reach_it_once_it_answers(shared_pool,
+                                                                    redis_server) -> None:
+    """Redis stalls (SIGSTOP) while a host's queue holds stores it answered ahead (its batch
+    gathers for 50 ms): the batch times out, waits and goes again once Redis answers, which
+    by then has applied the first try too; every store is then whole on the other host, and
+    nothing was undone or applied twice (counters exact)."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    second = shared_pool(1)[0]
+    (first.mountpoint / "blocks").mkdir()
+    vllm_store(first.mountpoint / "blocks", "warm.bin", b"warm")
+    assert seen_within(lambda: (second.mountpoint / "blocks" / "warm.bin").exists())  # (sent)
+    stored = {f"{number:016x}.bin": os.urandom(4096 + number) for number in range(10)}
+    for name, content in stored.items():
+        vllm_store(first.mountpoint / "blocks", name, content)
+    assert redis_server.process is not None
+    os.kill(redis_server.process.pid, signal.SIGSTOP)  # (within the batch's 50 ms)
+    try:
+        time.sleep(3)  # (the batch times out after 2 s, and waits)
+    finally:
+        os.kill(redis_server.process.pid, signal.SIGCONT)
+    assert wait_for(lambda: all(_read(second.mountpoint / "blocks" / name) == content
+                                for name, content in stored.items()), 30)
+    assert stats(first.mountpoint)["write_behind_lost"] == 0
+    assert_pool_counters_exact(first)
+    unmount_all([first, second])
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
 def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,
                                                    tmp_path: Path) -> None:
     embedded = make_mount("--capacity", "64M")

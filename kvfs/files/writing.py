@@ -276,8 +276,10 @@ class WritingOps(RetiringOps):
         """(blocking) Write-behind: those of `batch` whose commits reached the pool, once
         every commit answered before them has (never a blob before its commit; `hurry`: the
         queue goes now, else as it gathers). The others' commits were undone
-        (kvfs/write_behind.py): their staged data goes, unpublished."""
-        write_behind.settle(hurry=hurry)
+        (kvfs/write_behind.py): their staged data goes, unpublished. None of them while Redis
+        cannot be reached (they stay in staging/, where readers find them)."""
+        if not write_behind.sent(hurry):
+            return []
         named = self.meta.committed_blobs([staged.blob_id for staged in batch])
         undone = [staged for staged in batch if staged.blob_id not in named]
         for staged in undone:
