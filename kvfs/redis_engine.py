@@ -12,6 +12,9 @@ that hosts rarely contend (JuiceFS on Redis is the model). Keys, all under one h
                                        pending, sessions: one set each
     {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
     {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
+    {kvfs}:batch:<engine id>           a write-behind sender's last batch and its answer, so
+                                       that a batch sent again is not applied twice
+                                       (kvfs/write_behind.py); expires after 10 minutes
 
 Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
 Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
