@@ -290,8 +290,7 @@ class WritingOps(RetiringOps):
 
     async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
         """Publish each blob of `batch`: by the volume helper, else in a worker; the
-        failures, by blob id. The verifier's mark of a blob follows its data file's new ctime
-        (the rename moved it)."""
+        failures, by blob id (`_published`)."""
         moved = None
         if self.helper is not None and self.helper.alive:
             with contextlib.suppress(HelperGone):
@@ -299,6 +298,13 @@ class WritingOps(RetiringOps):
                                                    for staged in batch])
         if moved is None:
             moved = await off_loop(_publish_all, batch)
+        return self._published(batch, moved)
+
+    def _published(self, batch: list[StagedFile], moved: list[tuple[int, int, int]]
+                   ) -> list[tuple[int, OSError]]:
+        """What publishing `batch` did, (errno, inode, ctime) per blob: the failures, by blob
+        id. The verifier's mark of a blob follows its data file's new ctime (the rename
+        moved it)."""
         failed = []
         for staged, (error, ino, ctime_ns) in zip(batch, moved, strict=True):
             if error:
@@ -310,14 +316,13 @@ class WritingOps(RetiringOps):
 
     def publish_remaining(self) -> None:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
-        a worker call is never abandoned)."""
+        a worker call is never abandoned), the verifier's marks following, so that the next
+        mount does not check them again."""
         queued = self._queued_for_publisher()
         if self.write_behind is not None:
             queued = self._committed_of(queued, self.write_behind, True)
-        for staged, (error, _, _) in zip(queued, _publish_all(queued), strict=True):
-            if error:
-                log.error("publishing blob %016x failed: %s; recovery publishes it",
-                          staged.blob_id, os.strerror(error))
+        for blob_id, error in self._published(queued, _publish_all(queued)):
+            log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
 
     def _queued_for_publisher(self) -> list[StagedFile]:
         """Take every blob queued for the publisher right now."""
