@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -35,7 +36,7 @@ from conftest import (
     wait_for,
 )
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
-from local_redis import LocalRedis
+from local_redis import LocalRedis, free_port
 
 from kvfs.meta import ROOT_INO, MetaStore
 from kvfs.redis_engine import RedisEngine
@@ -493,8 +494,10 @@ def vllm_store(directory: Path, name: str, content: bytes) -> None:
 def test_write_behind_answers_stores_at_once_and_every_host_sees_them(shared_pool,
                                                                         redis_server) -> None:
     """Host 1 answers its stores' creates, closes and renames before Redis has them, and
-    sends them in batches: it sees them at once, host 2 within the visibility rule."""
-    first = shared_pool(1, "--write-behind", "50")[0]
+    sends them in batches: it sees them at once, host 2 within the visibility rule; its
+    stats and metrics count them."""
+    port = free_port()
+    first = shared_pool(1, "--write-behind", "50", "--metrics-port", str(port))[0]
     second = shared_pool(1)[0]
     (first.mountpoint / "blocks").mkdir()
     contents = {f"{n:016x}.bin": os.urandom(4096 + n) for n in range(30)}
@@ -510,6 +513,11 @@ def test_write_behind_answers_stores_at_once_and_every_host_sees_them(shared_poo
     assert shown["write_behind_answered"] >= 3 * len(contents)  # create, close, rename
     assert shown["write_behind_lost"] == shown["write_behind_redone"] == 0
     assert shown["metadata_loop_commits"] == 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    lines = metrics.decode().splitlines()
+    assert "kvfs_write_behind_lost_total 0.0" in lines
+    assert any(line.startswith("kvfs_write_behind_answered_total ")
+               and float(line.split()[1]) >= 3 * len(contents) for line in lines)
     assert_pool_counters_exact(second)
     unmount_all([first, second])
     assert staged_files(first.data) == []
