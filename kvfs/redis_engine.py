@@ -966,14 +966,14 @@ class RedisEngine:
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
-            try:
+            for command in ((b"EVALSHA", self.commit_script.sha), (b"EVAL", COMMIT_SCRIPT)):
                 connection.send_packed_command([packed_command(
-                    (b"EVALSHA", self.commit_script.sha, len(keys), *keys, *args))])
-                return connection.read_response()
-            except redis.exceptions.NoScriptError:
-                connection.send_packed_command([packed_command(
-                    (b"EVAL", COMMIT_SCRIPT, len(keys), *keys, *args))])
-                return connection.read_response()
+                    (*command, len(keys), *keys, *args))])
+                try:
+                    return connection.read_response()
+                except redis.exceptions.NoScriptError:
+                    continue  # (the server lacks the script: send its source)
+            raise AssertionError("EVAL answered NOSCRIPT")
         except (redis.ConnectionError, redis.TimeoutError):
             connection.disconnect()
             raise

@@ -5,9 +5,10 @@ rename), each a commit script's round trip, and the close first syncs the file's
 ms at one thread, where the embedded engine takes ~0.5. With write-behind, a change whose reads
 this host's memory answers (`RedisEngine.change_on_loop`) is answered at once and queued; a
 thread of its own (`kvfs-behind`) sends the queue every MS milliseconds, or at once when a
-caller waits for it (`settle`), as one batch: the files whose closes left their data's sync to
-it are synced together (so that no host can see a name before its bytes are on the volume),
-then one COMMIT_SCRIPT call checks and applies the changes in order and announces them.
+caller waits for it (`settle`), as one batch: one `syncfs` of the volume if closes left their
+data's sync to it (so that no host can see a name before its bytes are on the volume), then
+one COMMIT_SCRIPT call checks and applies the changes in order and announces them; a batch
+sent again after a reply that never came is answered as the first time (its token).
 
 - This host sees what it answered at once: the queued changes' records (`records`) are read
   before the record cache and Redis. Scans, counters and changes made the long way (in a
@@ -23,7 +24,9 @@ then one COMMIT_SCRIPT call checks and applies the changes in order and announce
   (`write_behind_lost`). Either way the names and attributes it wrote are read again from
   Redis, by this host's cache and kernel.
 - Never answered ahead (the metadata store marks them, `Txn.agree_first`): creating, moving or
-  removing a directory, and every removal: what other hosts' changes build on.
+  removing a directory, every removal, a rename onto an existing name and a close that
+  replaces content: what other hosts' changes build on, or what frees data on the change's
+  word.
 - What a crash may lose: a daemon killed with changes queued loses them (at most MS
   milliseconds of them, and the batch on its way); the staged data they named belongs to no
   committed file, and is deleted with the dead session. Redis unreachable: the queue waits
@@ -154,11 +157,11 @@ class WriteBehind:
                 return  # (closing, and Redis cannot be reached)
             for change in redone:  # (the cache, then the queue, stop answering with it)
                 self.engine.forget_ahead(change)
-            with self._cond:
-                for change in batch:
-                    for record, _ in change.record_writes():
-                        if self._written_by.get(record, answered + 1) <= answered:
-                            del self._written_by[record], self.records[record]
+            sent = [record for change in batch for record, _ in change.record_writes()]
+            with self._cond:  # (held briefly: the loop takes it to queue)
+                for record in sent:
+                    if self._written_by.get(record, answered + 1) <= answered:
+                        del self._written_by[record], self.records[record]
                 self._settled, self._synced = answered, unsynced
                 self._cond.notify_all()
             for change in redone:
@@ -235,16 +238,15 @@ class WriteBehind:
         self._thread.join(timeout=CLOSE_SECONDS)
 
     def counts(self) -> dict[str, int]:
-        return {"write_behind_answered": self.answered, "write_behind_batches": self.batches,
-                "write_behind_redone": self.redone, "write_behind_lost": self.lost,
-                "write_behind_queued": len(self._queue)}
+        return dict(zip(COUNTS, (self.answered, self.batches, self.redone, self.lost,
+                                 len(self._queue)), strict=True))
+
+
+COUNTS = ("write_behind_answered", "write_behind_batches", "write_behind_redone",
+          "write_behind_lost", "write_behind_queued")
 
 
 def write_behind_counts(engine: object) -> dict[str, int]:
     """The counters of `engine`'s write-behind (zeros where it has none)."""
     behind = getattr(engine, "behind", None)
-    if behind is None:
-        return dict.fromkeys(("write_behind_answered", "write_behind_batches",
-                              "write_behind_redone", "write_behind_lost",
-                              "write_behind_queued"), 0)
-    return behind.counts()
+    return dict.fromkeys(COUNTS, 0) if behind is None else behind.counts()

@@ -25,18 +25,19 @@ class ContentOps(MetaBase):
         are not one snapshot: a blob replaced between the two reads means read again; so
         does one this host's changes queued ahead of Redis still name, but another host has
         replaced and deleted meanwhile: once they are in Redis)."""
-        queue_sent = False
+        waited_for_queue = not self.engine.shared
         while True:
             with self.engine.snapshot() as txn:
                 inode = self._get(txn, ino)
                 raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
                 if inode.blob and raw is None and self._get(txn, ino).blob != inode.blob:
                     continue
-            if inode.blob and raw is None and self.engine.shared and not queue_sent:
-                queue_sent = self.engine.sync()
-                continue
             if inode.blob and raw is None:
-                raise fail(errno.EIO)
+                if waited_for_queue:
+                    raise fail(errno.EIO)
+                self.engine.sync()
+                waited_for_queue = True
+                continue
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
     def content_held(self, ino: int, session: bytes) -> tuple[Inode, BlobInfo | None]:
@@ -63,8 +64,7 @@ class ContentOps(MetaBase):
             return None if raw is None else BlobInfo.unpack(blob_id, raw)
 
     def is_committed_blob(self, blob_id: int) -> bool:
-        with self.engine.snapshot() as txn:
-            return txn.get("blob", u64(blob_id)) is not None
+        return blob_id in self.committed_blobs([blob_id])
 
     def committed_blobs(self, blob_ids: list[int]) -> set[int]:
         """Those of `blob_ids` that a commit names (one read)."""
