@@ -5,9 +5,10 @@ data blocks are read in runs of several MiB, in worker threads, and checked agai
 xxh3 sums. For a buffered reader that read leaves the blob in the page cache, where the reader
 then finds it; for an O_DIRECT reader it bypasses the page cache too (`uncached`), since the
 reader will not read from memory. When a check may be skipped is the mount's `VerifyMode`;
-in every mode a blob whose data file changed since it was checked (another inode or ctime:
-replaced, written behind kvfs) is checked again. The marks outlive a remount of the same boot
-(`save`/`load`), not a crash or a reboot.
+in every mode a blob whose data file changed since it was checked (another inode or mtime:
+replaced, written behind kvfs) is checked again. Not the ctime: publishing (a rename) moves
+it, and a mark taken in a worker could then land after the rename it should have followed.
+The marks outlive a remount of the same boot (`save`/`load`), not a crash or a reboot.
 
 Blobs the kernel wrote (passthrough writers) get their sums after the commit, in the
 background (`LateHasher`), read from memory when they are all there and with O_DIRECT when
@@ -71,7 +72,7 @@ class Verifier:
         self.data = data
         self.stats = stats
         self.mode = mode
-        # blob -> (inode, ctime) of its data file when its page cache was last known good
+        # blob -> (inode, mtime) of its data file when its page cache was last known good
         self._verified: dict[int, tuple[int, int]] = {}
         self._running: dict[int, trio.Event] = {}  # verifications under way
         self._buffers = [aligned_buffer() for _ in range(VERIFY_THREADS)]  # reused
@@ -134,20 +135,13 @@ class Verifier:
     def mark(self, blob_id: int, mark: tuple[int, int]) -> None:
         self._verified[blob_id] = mark
 
-    def moved(self, blob_id: int, mark: tuple[int, int]) -> None:
-        """The blob's data file was renamed (published), which moves its ctime: a mark of
-        that file (its inode) follows."""
-        known = self._verified.get(blob_id)
-        if known is not None and known[0] == mark[0]:
-            self._verified[blob_id] = mark
-
     def forget(self, blob_id: int) -> None:
         self._verified.pop(blob_id, None)
 
     def save(self, path: Path) -> None:
         """Keep the marks for the next mount of this boot (written at unmount)."""
-        lines = [boot_id()] + [f"{blob:x} {ino} {ctime}"
-                                for blob, (ino, ctime) in self._verified.items()]
+        lines = [boot_id()] + [f"{blob:x} {ino} {mtime}"
+                                for blob, (ino, mtime) in self._verified.items()]
         temporary = path.with_suffix(".tmp")
         temporary.write_text("\n".join(lines) + "\n")
         temporary.rename(path)
@@ -162,8 +156,8 @@ class Verifier:
         if boot != boot_id():
             return  # the page cache did not survive a reboot
         for line in lines:
-            blob, ino, ctime = line.split()
-            self._verified[int(blob, 16)] = (int(ino), int(ctime))
+            blob, ino, mtime = line.split()
+            self._verified[int(blob, 16)] = (int(ino), int(mtime))
 
 
 class LateHasher:
@@ -281,7 +275,8 @@ def take_sums(meta: MetaStore, data: DataStore, blob_id: int) -> tuple[int, int]
 
 
 def _file_mark(fd: int) -> tuple[int, int]:
-    """What changes when a data file is replaced or written behind kvfs."""
+    """What changes when a data file is replaced or written behind kvfs (the mtime is
+    fine-grained once looked at, Linux >= 6.13)."""
     status = os.fstat(fd)
-    return status.st_ino, status.st_ctime_ns
+    return status.st_ino, status.st_mtime_ns
 

@@ -17,8 +17,7 @@ Protocol: a SOCK_SEQPACKET socket pair, one message per request and per reply, i
              PUBLISH (from, to) pairs to rename
     reply    op u8, count u32, errno u32. MAKE: the files made, their descriptors attached in
              order, and the errno that stopped it short of all (0: none did). PUBLISH: the
-             pairs, each then as (errno u32, then of the file renamed: inode u64, ctime ns
-             i64), 0 where it failed
+             pairs, each then as its errno u32 (0: renamed)
 The process ends at the end of its input: the daemon closed its socket, or died.
 """
 
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 MAKE, PUBLISH = 1, 2
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _REPLY = struct.Struct("<BII")
-_MOVED = struct.Struct("<IQq")
+_MOVED = struct.Struct("<I")
 MESSAGE_MAX = 64 << 10  # bytes of paths per request (a path is at most 4 KiB): a publisher's
 # batch goes in several
 RECEIVE_MAX = MESSAGE_MAX + 4096  # the helper's receive buffer: any request whole
@@ -92,10 +91,9 @@ class VolumeHelper:
             return [], error or errno.EMFILE
         return fds, error
 
-    async def publish(self, pairs: list[tuple[str, str]]) -> list[tuple[int, int, int]]:
-        """Rename each (from, to) pair: per pair, the errno of its failure (0: none), and the
-        inode and ctime (ns) of the file renamed."""
-        moved: list[tuple[int, int, int]] = []
+    async def publish(self, pairs: list[tuple[str, str]]) -> list[int]:
+        """Rename each (from, to) pair: per pair, the errno of its failure (0: none)."""
+        moved: list[int] = []
         while len(moved) < len(pairs):
             parts: list[bytes] = []
             size = 0
@@ -106,7 +104,8 @@ class VolumeHelper:
                 size += len(parts[-2]) + len(parts[-1]) + 2
             reply, _ = await self._ask(PUBLISH, parts, 0)
             _, count, _ = _REPLY.unpack_from(reply)
-            moved += _MOVED.iter_unpack(reply[_REPLY.size:_REPLY.size + count * _MOVED.size])
+            moved += (error for error, in
+                      _MOVED.iter_unpack(reply[_REPLY.size:_REPLY.size + count * _MOVED.size]))
         return moved
 
     async def _ask(self, op: int, parts: list[bytes], descriptors: int
@@ -198,20 +197,19 @@ def _make(connection: socket.socket, paths: list[bytes]) -> None:
 
 
 def _publish(connection: socket.socket, paths: list[bytes]) -> None:
-    moved = [_MOVED.pack(*move(source, target))
+    moved = [_MOVED.pack(move(source, target))
              for source, target in zip(paths[::2], paths[1::2], strict=True)]
     connection.send(_REPLY.pack(PUBLISH, len(moved), 0) + b"".join(moved))
 
 
-def move(source: str | bytes, target: str | bytes) -> tuple[int, int, int]:
+def move(source: str | bytes, target: str | bytes) -> int:
     """Rename `source` to `target` (a blob's publishing, here or in the daemon's fallback):
-    0 and the inode and ctime (ns) of the file renamed, or the errno of the failure, 0, 0."""
+    0, or the errno of the failure."""
     try:
         os.rename(source, target)
-        status = os.stat(target)
     except OSError as failure:
-        return failure.errno or errno.EIO, 0, 0
-    return 0, status.st_ino, status.st_ctime_ns
+        return failure.errno or errno.EIO
+    return 0
 
 
 def die_with(daemon: int) -> None:

@@ -300,24 +300,21 @@ class WritingOps(RetiringOps):
             moved = await off_loop(_publish_all, batch)
         return self._published(batch, moved)
 
-    def _published(self, batch: list[StagedFile], moved: list[tuple[int, int, int]]
-                   ) -> list[tuple[int, OSError]]:
-        """What publishing `batch` did, (errno, inode, ctime) per blob: the failures, by blob
-        id. The verifier's mark of a blob follows its data file's new ctime (the rename
-        moved it)."""
+    @staticmethod
+    def _published(batch: list[StagedFile], moved: list[int]) -> list[tuple[int, OSError]]:
+        """What publishing `batch` did, an errno per blob (0: published): the failures, by
+        blob id."""
         failed = []
-        for staged, (error, ino, ctime_ns) in zip(batch, moved, strict=True):
+        for staged, error in zip(batch, moved, strict=True):
             if error:
                 failed.append((staged.blob_id, OSError(error, os.strerror(error))))
             else:
                 staged.published_elsewhere()
-                self.verifier.moved(staged.blob_id, (ino, ctime_ns))
         return failed
 
     def publish_remaining(self) -> None:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
-        a worker call is never abandoned), the verifier's marks following, so that the next
-        mount does not check them again."""
+        a worker call is never abandoned)."""
         queued = self._queued_for_publisher()
         if self.write_behind is not None:
             queued = self._committed_of(queued, self.write_behind, True)
@@ -369,6 +366,6 @@ class WritingOps(RetiringOps):
         staged.discard()
 
 
-def _publish_all(batch: list[StagedFile]) -> list[tuple[int, int, int]]:
+def _publish_all(batch: list[StagedFile]) -> list[int]:
     """Publish each staged blob (in a worker), as the volume helper does."""
     return [move(*staged.publishing_paths()) for staged in batch]
