@@ -228,10 +228,13 @@ class LateHasher:
         return False
 
     def take_remaining_sums(self) -> None:
-        """At unmount: take the sums still to be taken (a reboot would drop those files)."""
+        """At unmount: take the sums still to be taken (a reboot would drop those files),
+        marking what they checked as the background does."""
         for blob_id, _ in self.meta.pending():
             try:
-                take_sums(self.meta, self.data, blob_id)
+                mark = take_sums(self.meta, self.data, blob_id)
+                if mark is not None:
+                    self.verifier.mark(blob_id, mark)
             except (OSError, ChecksumError) as error:
                 log.error("taking the block sums of blob %016x failed: %s", blob_id, error)
 
