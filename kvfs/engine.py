@@ -222,6 +222,21 @@ class KeyTracker(Protocol):
         ...
 
 
+class DirectoryTracker(KeyTracker, Protocol):
+    """A `KeyTracker` of `dentry` keys fed by a shared pool's record cache
+    (`RecordCache.track`), which keeps only some directories complete: `adding` reports the
+    names a complete directory gains (`emptied`: directories that became complete, empty),
+    `removed` those it loses."""
+
+    def incomplete(self, parents: list[bytes]) -> None:
+        """These 8-byte directory prefixes are no longer complete."""
+        ...
+
+    def reset(self) -> None:
+        """No directory is complete any more (other hosts' changes may have been missed)."""
+        ...
+
+
 @dataclass
 class _Layer:
     """Changes not yet in LMDB: per family and key, the versions (seq, value, delta), oldest

@@ -323,10 +323,12 @@ class KvfsOperations(pyfuse3.Operations):
             meta.engine.on_change = listings_changed
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
-        # one host: lookups of names missing from complete directories (made since the
-        # mount, or small) are answered by the patched pyfuse3 itself (kvfs/missing_names.py)
+        # lookups of names missing from complete directories (made since the mount, or
+        # small on one host) are answered by the patched pyfuse3 itself
+        # (kvfs/missing_names.py)
         self.missing_names = MissingNames(
-            meta, ONE_HOST_CACHING.negative, NAME_MAX,
+            meta, (SHARED_CACHING if meta.engine.shared else ONE_HOST_CACHING).negative,
+            NAME_MAX,
             never_complete=lambda ino: ino == ROOT_INO or self.control.owns(ino))
         self.missing_names.start()
 

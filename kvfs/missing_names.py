@@ -17,9 +17,19 @@ on the loop alone: every change that adds a name runs there, inline (the embedde
 changes are not awaited), so none can fall between the listing and the marking. The root
 (which also holds the virtual `.kvfs`) and the control directory never become complete.
 
-Not on a shared pool: there other hosts add names. The table is bounded (NAMES_MAX names,
-12 bytes per slot, at most half the slots used: 48 MiB at most): past that the patch stops
-answering and every miss goes to the loop again, as before (logged once).
+On a shared pool other hosts add names too: there the record cache's complete directories
+(`RecordCache`: those this host made, while other hosts' announcements reach it) are mirrored
+(`RecordCache.track`): names are added as the cache learns them, from this host's changes or
+other hosts' announcements (the same moment a Python lookup would see them), a directory
+whose name leaves the cache stops being complete (`incomplete`, the patch's
+`directory_incomplete`), and all stop when announcements may have been missed (`reset`).
+Misses are answered there with the shared pool's negative timeout; another host's name
+reaches this kernel as its cached miss is invalidated, as before. No older directory becomes
+complete there.
+
+The table is bounded (NAMES_MAX names, 12 bytes per slot, at most half the slots used: 48 MiB
+at most): past that the patch stops answering and every miss goes to the loop again, as
+before (logged once).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import pyfuse3
 from kvfs.engine import LmdbEngine
 from kvfs.meta import MetaStore
 from kvfs.meta.schema import dentry_parts, from_u64
+from kvfs.redis_engine import RedisEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +53,8 @@ LARGE_DIRECTORIES_KEPT = 65_536  # directories found larger, remembered (then al
 
 class MissingNames:
     """The patch's table of known names, kept by the embedded engine's `dentry` changes (a
-    `KeyTracker`). (The patch's functions are not in pyfuse3's type stub.)"""
+    `KeyTracker`) or a shared pool's record cache (a `DirectoryTracker`). (The patch's
+    functions are not in pyfuse3's type stub.)"""
 
     def __init__(self, meta: MetaStore, negative_timeout: float, name_max: int,
                  never_complete: Callable[[int], bool]) -> None:
@@ -51,17 +63,25 @@ class MissingNames:
         self.name_max = name_max  # (longer names: the operations' ENAMETOOLONG)
         self.never_complete = never_complete  # directories with names the engine lacks
         self.answering = False
+        self._old_directories = False  # whether a small one may become complete (one host)
         self._large: set[int] = set()
 
     def start(self) -> bool:
         """Answer misses before the loop from now on, where the engine and pyfuse3 can."""
         engine = self.meta.engine
-        if not isinstance(engine, LmdbEngine) or not hasattr(pyfuse3, "answer_missing_names"):
-            return False
+        if isinstance(engine, LmdbEngine) and hasattr(pyfuse3, "answer_missing_names"):
+            self._answer()
+            engine.track("dentry", self)
+            self._old_directories = True
+        elif isinstance(engine, RedisEngine) and hasattr(pyfuse3, "directory_incomplete"):
+            self._answer()
+            engine.cache.track(self)
+        return self.answering
+
+    def _answer(self) -> None:
+        """Answer from an empty table from now on."""
         pyfuse3.answer_missing_names(self.negative_timeout, self.name_max, NAMES_MAX)
-        engine.track("dentry", self)
         self.answering = True
-        return True
 
     def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
         kept = all([pyfuse3.complete_directory(from_u64(prefix))  # type: ignore[attr-defined]
@@ -72,7 +92,8 @@ class MissingNames:
     def missed_in(self, parent: int) -> None:
         """The loop answered a miss in `parent` (a directory older than the mount): make it
         complete if it is small. On the loop only (see the module's docstring)."""
-        if not self.answering or parent in self._large or self.never_complete(parent):
+        if (not self._old_directories or not self.answering or parent in self._large
+                or self.never_complete(parent)):
             return
         entries = self.meta.readdir_types_page(parent, 0, SMALL_DIRECTORY + 1)
         if len(entries) > SMALL_DIRECTORY:
@@ -93,3 +114,11 @@ class MissingNames:
     def removed(self, keys: list[bytes]) -> None:
         for key in keys:
             pyfuse3.name_removed(*dentry_parts(key))  # type: ignore[attr-defined]
+
+    def incomplete(self, parents: list[bytes]) -> None:
+        for parent in parents:
+            pyfuse3.directory_incomplete(from_u64(parent))  # type: ignore[attr-defined]
+
+    def reset(self) -> None:
+        if self.answering:
+            self._answer()

@@ -73,7 +73,7 @@ import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvfs.engine import RoundTripNeeded, get_through
+from kvfs.engine import DirectoryTracker, RoundTripNeeded, get_through
 from kvfs.records import fail
 from kvfs.redis_loop import (
     CONNECT_TIMEOUT,
@@ -106,7 +106,8 @@ CHANGES_CHANNEL = PREFIX + b"changes:%d"
 # hosts of one pool run one kvfs version).
 ANNOUNCED = {"dentry": b"D", "inode": b"I"}
 _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
-_DENTRY_PREFIX_LENGTH = len(PREFIX + b"dentry:") + 8
+_DENTRY_KEY_AT = len(PREFIX + b"dentry:")  # where a dentry record's key starts
+_DENTRY_PREFIX_LENGTH = _DENTRY_KEY_AT + 8
 _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
@@ -304,7 +305,9 @@ class RecordCache:
     A directory this host made starts out complete (`known_empty`): every entry it gains is
     written here or announced, so a name missing from the cache is missing from the
     directory, and lookups of new names there (a store's) need no round trip. It stays
-    complete until one of its entries leaves the cache (evicted, or dropped as uncertain)."""
+    complete until one of its entries leaves the cache (evicted, or dropped as uncertain).
+    A `DirectoryTracker` (`track`) is told each name a complete directory gains or loses,
+    under the cache's lock, before a read of the cache can see it (kvfs/missing_names.py)."""
 
     def __init__(self) -> None:
         self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
@@ -316,7 +319,12 @@ class RecordCache:
         self._forgotten = 0
         self._lock = threading.Lock()
         self._on = False
+        self._tracker: DirectoryTracker | None = None
         self.changes = 0  # of any record: taken before a read or write sets out
+
+    def track(self, tracker: DirectoryTracker) -> None:
+        with self._lock:
+            self._tracker = tracker
 
     @staticmethod
     def cacheable(family: str) -> bool:
@@ -361,6 +369,8 @@ class RecordCache:
         with self._lock:
             if self._on:
                 self._complete.update(emptied)
+                if self._tracker is not None and emptied:
+                    self._tracker.adding([], [prefix[_DENTRY_KEY_AT:] for prefix in emptied])
             for record, value in written:
                 if self._on and self._quiet_since(record, moment):
                     self._set(record, value)
@@ -398,10 +408,18 @@ class RecordCache:
             self.changes += 1
             self._forgotten = self.changes  # (every read on its way is stale)
             self._on = on
+            if self._tracker is not None:
+                self._tracker.reset()
 
     def _set(self, record: bytes, value: bytes | None) -> None:
         """(lock held) Set a record read or written here; the oldest go past the limit."""
         self._pushed.discard(record)
+        if self._tracker is not None and _complete_prefix(record) in self._complete:
+            known = self._records.get(record)  # (absent: None, the directory is complete)
+            if known is None and value is not None:
+                self._tracker.adding([record[_DENTRY_KEY_AT:]], [])
+            elif known is not None and value is None:
+                self._tracker.removed([record[_DENTRY_KEY_AT:]])
         self._records[record] = value
         while len(self._records) > CACHED_RECORDS:
             oldest = next(iter(self._records))
@@ -412,7 +430,11 @@ class RecordCache:
                 self._pop(oldest)
 
     def _pop(self, record: bytes) -> None:
-        self._complete.discard(_complete_prefix(record))
+        prefix = _complete_prefix(record)
+        if prefix in self._complete:
+            self._complete.discard(prefix)
+            if self._tracker is not None:
+                self._tracker.incomplete([prefix[_DENTRY_KEY_AT:]])
         self._records.pop(record, None)
         self._pushed.discard(record)
 

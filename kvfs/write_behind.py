@@ -93,15 +93,22 @@ class WriteBehind:
             for record, value in change.record_writes():
                 self.records[record] = value
                 self._written_by[record] = self._answered
+            self._wake_sender()
             self._queue.append(change)
-            self._cond.notify()
         self.answered += 1
 
     def data_left(self) -> None:
         """(the loop) A close left its data's sync to the next batch, which syncs the volume
         before any commit of this host's reaches Redis."""
         with self._cond:
+            self._wake_sender()
             self._unsynced += 1
+
+    def _wake_sender(self) -> None:
+        """(lock held, before adding work) Wake the sender if it waits for work; while it
+        gathers a batch it sleeps on (a wake-up per change was a thread switch and a GIL
+        hand-over per change)."""
+        if not self._waiting():
             self._cond.notify()
 
     # -- waiting for the queue ------------------------------------------------------------

@@ -22,6 +22,7 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import pytest
+import redis
 from conftest import (
     MOUNT_SCRIPT,
     KvfsMount,
@@ -338,6 +339,67 @@ def test_a_close_whose_staged_file_was_reaped_fails(shared_pool) -> None:
         assert_pool_counters_exact(host)
 
 
+def answered_early(host: KvfsMount) -> int:
+    """Lookups of missing names the patched pyfuse3 answered itself (kvfs/missing_names.py)."""
+    return stats(host.mountpoint)["missing_names_answered"]
+
+
+def missing(path: Path) -> bool:
+    return not os.path.lexists(path)
+
+
+def test_misses_answered_before_the_loop_never_hide_another_hosts_name(shared_pool,
+                                                                        redis_server) -> None:
+    """A directory this host made is complete in its cache, and the patched pyfuse3 answers
+    misses there itself; every name another host adds there is found (at once in the kernel
+    that cached the miss, and by a lookup that reaches the daemon), and the directory stops
+    being answered early when this host's cache lets go of a name of it, or when
+    announcements may have been missed."""
+    first, second = shared_pool(2)
+    mine = second.mountpoint / "mine"
+    mine.mkdir()
+    before = answered_early(second)
+    assert all(missing(mine / f"fresh-{n}") for n in range(10))
+    if answered_early(second) == before:
+        pytest.skip("this pyfuse3 answers no miss itself")
+    assert answered_early(second) - before == 10
+    assert missing(mine / "theirs")  # (cached by the kernel for 5 s) ...
+    (first.mountpoint / "mine" / "theirs").write_bytes(b"from the first host")
+    assert seen_within(lambda: not missing(mine / "theirs"))  # ... until the push
+    drop_caches()  # (a lookup that reaches the daemon: the patch's table has the name)
+    assert (mine / "theirs").read_bytes() == b"from the first host"
+    (first.mountpoint / "mine" / "theirs").unlink()
+    assert seen_within(lambda: missing(mine / "theirs"))
+    drop_caches()
+    assert missing(mine / "theirs")
+
+    # A name this host wrote, then changed by another host: the cache drops it (it cannot
+    # order the two) and the directory is no longer answered early, nor wrong.
+    (mine / "own").write_bytes(b"second's")
+    os.rename(first.mountpoint / "mine" / "own", first.mountpoint / "mine" / "moved")
+    assert seen_within(lambda: missing(mine / "own") and not missing(mine / "moved"))
+    before = answered_early(second)
+    assert all(missing(mine / f"later-{n}") for n in range(5))
+    assert answered_early(second) == before
+
+    # Every subscription cut (announcements may be missed): nothing is answered early.
+    made = second.mountpoint / "made"
+    made.mkdir()
+    before = answered_early(second)
+    assert missing(made / "probe") and answered_early(second) == before + 1
+    redis.Redis.from_url(redis_server.url).client_kill_filter(_type="pubsub")
+    numbers = iter(range(100_000))
+
+    def answered_by_the_loop() -> bool:
+        counted = answered_early(second)
+        return missing(made / f"after-{next(numbers)}") and answered_early(second) == counted
+    assert wait_for(answered_by_the_loop, 20)
+    (first.mountpoint / "made" / "late").write_bytes(b"l")
+    drop_caches()
+    assert seen_within(lambda: not missing(made / "late"), 10)
+    assert_pool_counters_exact(first)
+
+
 def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> None:
     first, second = shared_pool(2, "--capacity", "1G")
     content = os.urandom(3 * MiB)
@@ -534,6 +596,8 @@ def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
     second = shared_pool(1)[0]
     # (A mount's first create checks the pool's room in Redis, once a second, the long way.)
     (first.mountpoint / "warm").write_bytes(b"")
+    # (... and the lock's create starts a batch of its own: it waits 50 ms to be sent)
+    assert wait_for(lambda: stats(first.mountpoint)["write_behind_queued"] == 0, 5)
     fd = os.open(first.mountpoint / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
         os.write(fd, b"first")
