@@ -80,7 +80,8 @@ class MissingNames:
 
     def _answer(self) -> None:
         """Answer from an empty table from now on."""
-        pyfuse3.answer_missing_names(self.negative_timeout, self.name_max, NAMES_MAX)
+        pyfuse3.answer_missing_names(  # type: ignore[attr-defined]
+            self.negative_timeout, self.name_max, NAMES_MAX)
         self.answering = True
 
     def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
