@@ -82,6 +82,8 @@ class Space:
         self._slack_until = 0.0
         self._kernel_share = 0  # room kernel writers may hold together (last known capacity)
         self._kernel_share_until = 0.0
+        # the read of the room on its way, and its answer once there (`_read_room`)
+        self._room_read: tuple[trio.Event, list[tuple[Usage, int]]] | None = None
         self._evicting = trio.Lock()
         self._flushing = trio.Lock()
         self._pinned_warning = False
@@ -100,10 +102,30 @@ class Space:
     async def room(self) -> tuple[int, int]:
         """(capacity, used bytes): the configured capacity, or what fits on the volume if
         that is less, and the bytes committed and staged."""
-        # One statvfs and one metadata read: inline on one host, a worker's on a shared pool.
-        usage, volume_room = await self.meta_call(self._usage_and_volume_room)
+        usage, volume_room = await self._read_room()
         used = self._with_staged(usage.used)
         return max(0, min(usage.capacity, used + volume_room)), used
+
+    async def _read_room(self) -> tuple[Usage, int]:
+        """One statvfs and one metadata read (inline on one host, a worker's on a shared
+        pool), shared by the callers that ask while it is on its way: sixteen writers whose
+        slack ran out together made sixteen worker calls and round trips, a tenth of a
+        shared pool's stores."""
+        pending = self._room_read
+        if pending is not None:
+            done, answer = pending
+            await done.wait()
+            if answer:
+                return answer[0]
+            return await self.meta_call(self._usage_and_volume_room)  # (that one failed)
+        done, answer = trio.Event(), []
+        self._room_read = (done, answer)
+        try:
+            answer.append(await self.meta_call(self._usage_and_volume_room))
+            return answer[0]
+        finally:
+            self._room_read = None
+            done.set()
 
     def _usage_and_volume_room(self) -> tuple[Usage, int]:
         volume = os.statvfs(self.volume)

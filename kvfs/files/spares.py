@@ -68,15 +68,17 @@ class SpareFiles:
         return self._spares.popleft()
 
     async def run(self) -> None:
-        """Keep SPARES_KEPT made, refilling whenever half are taken."""
+        """Keep SPARES_KEPT made, refilling whenever half are taken, a whole batch at a
+        time (topping up what writers took meanwhile made a blob id allocation, a round
+        trip on a shared pool, every few stores)."""
         if self.helper is None:
             return
         retry = RETRY_SECONDS[0]
         try:
             while True:
-                while len(self._spares) < SPARES_KEPT:
+                while len(self._spares) <= SPARES_KEPT - SPARES_BATCH:
                     try:
-                        await self._make(min(SPARES_BATCH, SPARES_KEPT - len(self._spares)))
+                        await self._make(SPARES_BATCH)
                         retry = RETRY_SECONDS[0]
                     except HelperGone:
                         return
