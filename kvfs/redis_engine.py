@@ -62,19 +62,20 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import Enum
 from itertools import islice
 from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
+import hiredis
 import redis
 import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvfs.engine import DirectoryTracker, RoundTripNeeded, get_through
-from kvfs.records import fail
+from kvfs.records import FsError, fail
 from kvfs.redis_loop import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
@@ -666,6 +667,11 @@ class _Change:
             with trio.CancelScope(shield=True):  # once sent, a commit is seen through
                 applied = await connection.script(self.engine.commit_script.sha, COMMIT_SCRIPT,
                                                   keys, args)
+        except hiredis.ReplyError as error:
+            if str(error).startswith("OOM"):  # (past maxmemory: refused, not run)
+                raise fail(errno.ENOSPC) from None
+            self._outcome_unknown(written)
+            raise
         except BaseException:
             self._outcome_unknown(written)
             raise
@@ -731,7 +737,8 @@ class RedisEngine:
     # -- errors --------------------------------------------------------------------------
 
     def call(self, method: Callable[..., T], *args: object) -> T:
-        """One request; EIO (logged once per outage) when Redis cannot be reached."""
+        """One request; EIO (logged once per outage) when Redis cannot be reached, ENOSPC
+        when it is past its maxmemory (it then refuses every write and script)."""
         self.round_trip_allowed()
         if time.monotonic() < self._down_until:
             raise fail(errno.EIO)
@@ -740,6 +747,8 @@ class RedisEngine:
         except (redis.ConnectionError, redis.TimeoutError) as error:
             self._went_down(error)
             raise fail(errno.EIO) from None
+        except redis.exceptions.OutOfMemoryError:
+            raise fail(errno.ENOSPC) from None
         if self._down_until:
             self._came_back()
         return result
@@ -940,14 +949,19 @@ class RedisEngine:
         return self.call(self.client.hincrby, _counter_key("counters"), key, count)
 
     def has_room(self) -> bool:
-        """Below Redis's maxmemory (if it has one), with room left for removals."""
+        """Below Redis's maxmemory (if it has one), with room left for removals: as the
+        watcher last found it (`_check_room`, every ROOM_CHECK_SECONDS), else checked here
+        (a round trip) once that is twice as old."""
         checked, room = self._room
-        if time.monotonic() - checked > ROOM_CHECK_SECONDS:
-            memory = self.call(self.client.info, "memory")
-            limit = memory.get("maxmemory", 0)
-            room = not limit or memory["used_memory"] < ROOM_SHARE * limit
-            self._room = (time.monotonic(), room)
+        if time.monotonic() - checked > 2 * ROOM_CHECK_SECONDS:
+            self._check_room()
+            room = self._room[1]
         return room
+
+    def _check_room(self) -> None:
+        memory = self.call(self.client.info, "memory")
+        limit = memory.get("maxmemory", 0)
+        self._room = (time.monotonic(), not limit or memory["used_memory"] < ROOM_SHARE * limit)
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until Redis has every change answered so far (write-behind; not while Redis
@@ -1035,6 +1049,9 @@ class RedisEngine:
             try:
                 pubsub.subscribe(self.channel)
                 while not self._closing.is_set():
+                    if time.monotonic() - self._room[0] > ROOM_CHECK_SECONDS:
+                        with suppress(FsError):  # (so that no change makes the round trip)
+                            self._check_room()
                     message = pubsub.get_message(timeout=WATCH_POLL_SECONDS)
                     if message is None:
                         continue

@@ -36,6 +36,7 @@ sent again after a reply that never came is answered as the first time (its toke
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -185,8 +186,13 @@ class WriteBehind:
                 if unsynced > self._synced:
                     self._sync_volume()
                 return self._send(batch, token)
-            except FsError as error:  # (Redis unreachable: the batch goes again)
-                if self._closing:
+            except FsError as error:
+                if error.errno == errno.ENOSPC:  # (Redis past its maxmemory refuses it)
+                    log.error("Redis is past its maxmemory: %d metadata changes answered "
+                              "ahead of it undone", len(batch))
+                    self.lost += len(batch)
+                    return batch
+                if self._closing:  # (else Redis is unreachable: the batch goes again)
                     lost = len(batch) + len(self._queue)
                     self.lost += lost
                     log.error("unmounted with %d metadata changes not in Redis (%s): they "

@@ -400,6 +400,60 @@ def test_misses_answered_before_the_loop_never_hide_another_hosts_name(shared_po
     assert_pool_counters_exact(first)
 
 
+def test_a_full_redis_refuses_creates_and_keeps_removals(shared_pool, redis_server) -> None:
+    """Above 90 % of Redis's maxmemory a create fails ENOSPC on every host (each host's
+    watcher looks once a second: no create waits for that look) and a removal still works;
+    past maxmemory Redis refuses every write: creates and removals fail ENOSPC (not EIO), the
+    changes answered ahead of it are undone; with room again, everything works again."""
+    first, second = shared_pool(2, "--write-behind", "5")
+    for name in ("kept", "doomed", "stuck"):
+        (first.mountpoint / name).write_bytes(name.encode())
+    server = redis.Redis.from_url(redis_server.url)
+    # 32 MiB made by the server (no query buffer of that size to count): 5 % of it is
+    # room for a batch
+    server.eval("redis.call('SET', KEYS[1], string.rep('b', ARGV[1]))", 1, "ballast", 32 << 20)
+    time.sleep(0.2)  # (the write-behind batch, and its memory, in)
+    server.config_set("maxmemory", server.info("memory")["used_memory"] * 100 // 95)
+    try:
+        assert creates_refused(first.mountpoint) and creates_refused(second.mountpoint)
+        (second.mountpoint / "doomed").unlink()
+        assert seen_within(lambda: missing(first.mountpoint / "doomed"))
+        server.config_set("maxmemory", 1)  # (past it: Redis refuses every write)
+        assert creates_refused(first.mountpoint)
+        with pytest.raises(OSError) as refused:
+            (first.mountpoint / "stuck").unlink()
+        assert refused.value.errno == errno.ENOSPC
+    finally:
+        server.config_set("maxmemory", 0)
+        server.delete("ballast")
+    numbers = iter(range(100_000))
+    assert wait_for(lambda: errno_of_create(first.mountpoint / f"again-{next(numbers)}") == 0,
+                    10)
+    (first.mountpoint / "stuck").unlink()
+    assert sorted(os.listdir(second.mountpoint)) == ["kept"]
+    assert (second.mountpoint / "kept").read_bytes() == b"kept"
+    for host in (first, second):
+        assert stats(host.mountpoint)["handler_errors"] == 0
+    assert_pool_counters_exact(first)
+
+
+def creates_refused(root: Path) -> bool:
+    """Whether creates in `root` fail ENOSPC within 10 s (none fails otherwise)."""
+    numbers = iter(range(100_000))
+    return wait_for(lambda: errno_of_create(root / f"new-{next(numbers)}") == errno.ENOSPC, 10)
+
+
+def errno_of_create(path: Path) -> int:
+    """0 if `path` could be created (then it is removed again), else the errno."""
+    try:
+        path.write_bytes(b"x")
+    except OSError as error:
+        assert error.errno == errno.ENOSPC, error
+        return error.errno
+    path.unlink(missing_ok=True)  # (a store answered ahead of a full Redis is undone)
+    return 0
+
+
 def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> None:
     first, second = shared_pool(2, "--capacity", "1G")
     content = os.urandom(3 * MiB)
