@@ -5,6 +5,7 @@
     .venv/bin/python scripts/soak.py --minutes 240    # a long soak
     .venv/bin/python scripts/soak.py --quick          # about a minute: a smoke run
     .venv/bin/python scripts/soak.py --quick --redis  # the same on the shared-pool engine
+    .venv/bin/python scripts/soak.py --quick --redis --write-behind 5  # ... answering ahead
 
 Needs root (FUSE) and, for the fio rounds, fio (scripts/setup.sh installs both; without fio
 those rounds are skipped and the summary says so). Run by a python without the project's
@@ -31,6 +32,11 @@ Rounds, in turn until the time is up:
 With --redis the volume is a shared pool (metadata in a redis-server of the soak's own, session
 TTL 1 s): after a crash the remount is a new session, and it is the new session that finds the
 old one dead and cleans up after it, so the checks after a crash wait for that (a few seconds).
+
+With --write-behind MS (and --redis) the mount answers changes ahead of Redis: a crash may
+lose what was answered in its last moments (docs/multi-host.md), so the crash checks hold
+only what writers closed more than LOSS_WINDOW_SECONDS before the kill to be there (the
+rest may show an older version, or be missing); everything else is checked as above.
 
 At the end the volume is unmounted and `kvfs fsck` must find it clean. A table summarizes
 rounds, operations, crashes survived, bytes verified and every error found; the exit status is
@@ -82,6 +88,9 @@ KiB = 1 << 10
 MiB = 1 << 20
 CAPACITY = "8G"  # far above what the soak keeps, so that nothing is ever evicted
 SESSION_TTL = "1"  # --redis: seconds before a crashed daemon's session is found dead
+# --write-behind: what writers closed this long before a crash must have survived it (the
+# gathering time, and a batch on its way behind a syncfs of the writers' data)
+LOSS_WINDOW_SECONDS = 2.0
 CRASH_WRITERS = 3
 CRASH_READERS = 2
 FILES_PER_WRITER = 4
@@ -205,7 +214,7 @@ def crash_writer(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
         write_file(path, content, rng)
         if via_rename:
             os.rename(path, target)
-        say("done", name, version)
+        say("done", name, version, time.monotonic())
 
 
 def crash_reader(root: Path, spec: dict, rng: random.Random, say: Say) -> None:
@@ -459,6 +468,7 @@ class Soak:
     workers_started: int = 0
     only: set[str] = field(default_factory=lambda: set(ROUNDS))
     redis: LocalRedis | None = None  # --redis: the shared-pool engine
+    write_behind: str | None = None  # --write-behind MS
     done: dict[str, int] = field(default_factory=dict)  # crash rounds: last version closed
     started: dict[str, int] = field(default_factory=dict)  # and last version started
 
@@ -500,6 +510,8 @@ class Soak:
 
     def mount(self) -> None:
         shared = [*self.meta_options, "--session-ttl", SESSION_TTL] if self.redis else []
+        if self.write_behind:
+            shared += ["--write-behind", self.write_behind]
         result = subprocess.run(
             [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint), "--data",
              str(self.data), "--capacity", CAPACITY, *shared],
@@ -621,10 +633,11 @@ class Soak:
         st = os.statvfs(self.mountpoint)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         sizes = {}
-        for path in (self.data / "staging").rglob("*"):
-            with contextlib.suppress(FileNotFoundError):  # taken and published meanwhile
-                if path.is_file():
-                    sizes[path.name] = path.stat().st_size
+        # (os.walk, not rglob: a dead session's directory may go while it is listed)
+        for directory, _, names in os.walk(self.data / "staging"):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):  # taken and published meanwhile
+                    sizes[name] = os.stat(os.path.join(directory, name)).st_size
         staged = sorted(name for name, size in sizes.items() if size)
         shown_stats = json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
         spares = len(sizes) - len(staged)
@@ -681,16 +694,28 @@ class Soak:
         self.journal_errors(kind, journal, crash_time)
         tally.operations += sum(1 for line in journal.lines if line[0] in OPS)
         tally.bytes_verified += sum(int(line[3]) for line in journal.of("read"))
-        # What the writers closed and started, over all rounds so far.
+        # What the writers closed and started, over all rounds so far (with write-behind,
+        # what they closed in the moments before the crash may be lost: not counted).
+        cutoff = crash_time - LOSS_WINDOW_SECONDS
+        in_window: dict[str, int] = {}
         for line in journal.of("done"):
-            self.done[line[1]] = max(self.done.get(line[1], 0), int(line[2]))
+            if not self.write_behind or float(line[3]) <= cutoff:
+                self.done[line[1]] = max(self.done.get(line[1], 0), int(line[2]))
+            else:
+                in_window[line[1]] = max(in_window.get(line[1], 0), int(line[2]))
         for line in journal.of("start"):
             self.started[line[1]] = max(self.started.get(line[1], 0), int(line[2]))
-        self.verify_crash_files(number)
+        shown = self.verify_crash_files(number)
+        for name, version in in_window.items():
+            if shown.get(name, 0) < version:  # (a version closed just before the crash)
+                self.notes.append("crash: a version closed in the moments before the crash "
+                                  "lost (write-behind)")
         self.space_check(kind, settle=self.recovery_seconds)
 
-    def verify_crash_files(self, number: int) -> None:
+    def verify_crash_files(self, number: int) -> dict[str, int]:
+        """Check every file the crash writers left; the version each name shows."""
         kind = "crash"
+        shown: dict[str, int] = {}
         done, started = self.done, self.started
         files = {name: size for name, size in self.visible_files().items()
                  if name.startswith("crash/")}
@@ -721,10 +746,13 @@ class Soak:
             if not low <= version <= started.get(name, 0):
                 self.error(kind, f"round {number}: {relative} holds version {version}; closed "
                                  f"{done.get(name)}, started {started.get(name)}")
+            if not relative.endswith(".tmp"):
+                shown[name] = version
         for name in done:
             if name not in files:
                 self.error(kind, f"round {number}: {name} was closed (version {done[name]}) "
                                  "but is gone")
+        return shown
 
     def race_round(self, number: int, seconds: float) -> None:
         kind = "race"
@@ -1002,8 +1030,12 @@ def main(argv: list[str]) -> int:
                         help="run only these rounds (repeatable; default all)")
     parser.add_argument("--redis", action="store_true",
                         help="soak the shared-pool engine (a redis-server of its own)")
+    parser.add_argument("--write-behind", metavar="MS",
+                        help="with --redis: mount with --write-behind MS")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.write_behind and not args.redis:
+        parser.error("--write-behind needs --redis")
     if args.worker:
         worker_main(json.loads(args.worker))
         return 0
@@ -1019,6 +1051,7 @@ def main(argv: list[str]) -> int:
                 only=set(args.only or ROUNDS))
     if args.redis:
         soak.redis = LocalRedis(work / "redis").start()
+    soak.write_behind = args.write_behind
     console.print(f"kvfs soak for {seconds / 60:g} minutes in {work} (seed {seed})")
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
