@@ -173,6 +173,12 @@ class Engine(Protocol):
         round trip raises RoundTripNeeded instead: the loop tries such reads itself first."""
         ...
 
+    def track_names(self, tracker: DirectoryTracker) -> None:
+        """Tell `tracker` the names the directories it knows complete gain and lose (the
+        embedded engine: every directory made from now on; a shared engine: those its
+        record cache keeps complete)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -638,11 +644,12 @@ class LmdbEngine:
                     tracker.removed(removed)
         return result
 
-    def track(self, family: str, tracker: KeyTracker) -> None:
-        """Tell `tracker` which keys of `family` each change from now on makes and removes
-        (the names a directory gains and loses, for kvfs/missing_names.py)."""
+    def track_names(self, tracker: KeyTracker) -> None:
+        """Tell `tracker` which `dentry` keys each change from now on makes and removes (the
+        names a directory gains and loses, for kvfs/missing_names.py): every directory made
+        from now on is complete."""
         with self._lock:
-            self._trackers[family] = tracker
+            self._trackers["dentry"] = tracker
 
     def allocate(self, key: bytes, count: int) -> int:
         def change(txn: Txn) -> int:

@@ -39,10 +39,8 @@ from collections.abc import Callable
 
 import pyfuse3
 
-from kvfs.engine import LmdbEngine
 from kvfs.meta import MetaStore
 from kvfs.meta.schema import dentry_parts, from_u64
-from kvfs.redis_engine import RedisEngine
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +67,11 @@ class MissingNames:
     def start(self) -> bool:
         """Answer misses before the loop from now on, where the engine and pyfuse3 can."""
         engine = self.meta.engine
-        if isinstance(engine, LmdbEngine) and hasattr(pyfuse3, "answer_missing_names"):
+        # (a shared engine's complete directories can become incomplete: a newer patch)
+        if hasattr(pyfuse3, "directory_incomplete" if engine.shared else "answer_missing_names"):
             self._answer()
-            engine.track("dentry", self)
-            self._old_directories = True
-        elif isinstance(engine, RedisEngine) and hasattr(pyfuse3, "directory_incomplete"):
-            self._answer()
-            engine.cache.track(self)
+            engine.track_names(self)
+            self._old_directories = not engine.shared
         return self.answering
 
     def _answer(self) -> None:

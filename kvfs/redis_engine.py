@@ -973,6 +973,9 @@ class RedisEngine:
 
     # -- write-behind ----------------------------------------------------------------------
 
+    def track_names(self, tracker: DirectoryTracker) -> None:
+        self.cache.track(tracker)
+
     def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None]
                      ) -> WriteBehind:
         self.behind = WriteBehind(self, gather_seconds, sync_volume)
