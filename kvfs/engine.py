@@ -215,7 +215,7 @@ class ChangesPending(Exception):
 
 class KeyTracker(Protocol):
     """Told what each change of the embedded engine does to one family's keys
-    (`LmdbEngine.track`), in the thread that made the change, under the engine's lock."""
+    (`LmdbEngine.track_names`), in the thread that made the change, under the engine's lock."""
 
     def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
         """`keys` are about to exist, and no key starts with any of the 8-byte `emptied`

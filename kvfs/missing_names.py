@@ -8,7 +8,7 @@ while mounted starts empty and this host sees every name it gains or loses. kvfs
 patch keeps the names of those directories (by hash, in C) and answers a lookup of any other
 name there itself, a cacheable miss, without a Python task (`.kvfs/stats`
 `missing_names_answered`, also counted in `lookup_misses`). The embedded engine reports each
-change of the `dentry` family (`LmdbEngine.track`): names are added before the change that
+change of the `dentry` family (`LmdbEngine.track_names`): names are added before the change that
 makes them is visible and removed after, so the patch's table never lacks a name a read could
 find. A directory older than the mount becomes complete at the first miss Python answers in
 it, if it holds at most SMALL_DIRECTORY entries (vLLM's leaf directories do; LMCache's flat
