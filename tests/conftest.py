@@ -152,6 +152,21 @@ def allocated(path: Path) -> int:
     return min(st.st_blocks * 512, -(-st.st_size // 4096) * 4096)
 
 
+def missing(path: Path) -> bool:
+    """Whether a lookup of `path` (not followed) finds nothing (ENOENT; any other error
+    raises)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def answered_early(root: Path) -> int:
+    """Lookups of missing names the patched pyfuse3 answered itself (kvfs/missing_names.py)."""
+    return stats(root)["missing_names_answered"]
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
     """Poll `condition` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -11,7 +11,14 @@ import os
 from pathlib import Path
 
 import pyfuse3
-from conftest import KvfsMount, assert_counters_exact, drop_caches, stats
+from conftest import (
+    KvfsMount,
+    answered_early,
+    assert_counters_exact,
+    drop_caches,
+    missing,
+    stats,
+)
 
 from kvfs.missing_names import SMALL_DIRECTORY
 
@@ -25,18 +32,6 @@ def renameat2(source: Path, target: Path, flags: int) -> None:
                        flags) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error), str(source))
-
-
-def missing(path: Path) -> bool:
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        return True
-    return False
-
-
-def answered_early(root: Path) -> int:
-    return stats(root)["missing_names_answered"]
 
 
 def check(directory: Path, expected: set[str], gone: set[str]) -> None:

@@ -26,12 +26,14 @@ import redis
 from conftest import (
     MOUNT_SCRIPT,
     KvfsMount,
+    answered_early,
     assert_counters_exact,
     assert_only_spares_staged,
     blob_bytes_on_disk,
     blob_files,
     counters_and_recount,
     drop_caches,
+    missing,
     pid_alive,
     stats,
     wait_for,
@@ -339,15 +341,6 @@ def test_a_close_whose_staged_file_was_reaped_fails(shared_pool) -> None:
         assert_pool_counters_exact(host)
 
 
-def answered_early(host: KvfsMount) -> int:
-    """Lookups of missing names the patched pyfuse3 answered itself (kvfs/missing_names.py)."""
-    return stats(host.mountpoint)["missing_names_answered"]
-
-
-def missing(path: Path) -> bool:
-    return not os.path.lexists(path)
-
-
 def test_misses_answered_before_the_loop_never_hide_another_hosts_name(shared_pool,
                                                                         redis_server) -> None:
     """A directory this host made is complete in its cache, and the patched pyfuse3 answers
@@ -358,11 +351,11 @@ def test_misses_answered_before_the_loop_never_hide_another_hosts_name(shared_po
     first, second = shared_pool(2)
     mine = second.mountpoint / "mine"
     mine.mkdir()
-    before = answered_early(second)
+    before = answered_early(second.mountpoint)
     assert all(missing(mine / f"fresh-{n}") for n in range(10))
-    if answered_early(second) == before:
+    if answered_early(second.mountpoint) == before:
         pytest.skip("this pyfuse3 answers no miss itself")
-    assert answered_early(second) - before == 10
+    assert answered_early(second.mountpoint) - before == 10
     assert missing(mine / "theirs")  # (cached by the kernel for 5 s) ...
     (first.mountpoint / "mine" / "theirs").write_bytes(b"from the first host")
     assert seen_within(lambda: not missing(mine / "theirs"))  # ... until the push
@@ -378,21 +371,22 @@ def test_misses_answered_before_the_loop_never_hide_another_hosts_name(shared_po
     (mine / "own").write_bytes(b"second's")
     os.rename(first.mountpoint / "mine" / "own", first.mountpoint / "mine" / "moved")
     assert seen_within(lambda: missing(mine / "own") and not missing(mine / "moved"))
-    before = answered_early(second)
+    before = answered_early(second.mountpoint)
     assert all(missing(mine / f"later-{n}") for n in range(5))
-    assert answered_early(second) == before
+    assert answered_early(second.mountpoint) == before
 
     # Every subscription cut (announcements may be missed): nothing is answered early.
     made = second.mountpoint / "made"
     made.mkdir()
-    before = answered_early(second)
-    assert missing(made / "probe") and answered_early(second) == before + 1
+    before = answered_early(second.mountpoint)
+    assert missing(made / "probe") and answered_early(second.mountpoint) == before + 1
     redis.Redis.from_url(redis_server.url).client_kill_filter(_type="pubsub")
     numbers = iter(range(100_000))
 
     def answered_by_the_loop() -> bool:
-        counted = answered_early(second)
-        return missing(made / f"after-{next(numbers)}") and answered_early(second) == counted
+        counted = answered_early(second.mountpoint)
+        return (missing(made / f"after-{next(numbers)}")
+                and answered_early(second.mountpoint) == counted)
     assert wait_for(answered_by_the_loop, 20)
     (first.mountpoint / "made" / "late").write_bytes(b"l")
     drop_caches()
