@@ -33,7 +33,7 @@ from kvfs.mounts import find_mount
 from kvfs.passthrough import Passthrough
 from kvfs.prefetch import DEFAULT_BUDGET as DEFAULT_PREFETCH_BUDGET
 from kvfs.reaper import recover
-from kvfs.records import FsError
+from kvfs.records import FsError, fail
 from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
 from kvfs.space import Space
 from kvfs.stats import Stats
@@ -149,7 +149,7 @@ class Daemon:
         self.session.on_lost = self.files.spares.forget
         if config.write_behind_ms and isinstance(self.meta.engine, LoopChanges):
             self.files.write_behind = self.meta.engine.write_behind(
-                config.write_behind_ms / 1000, self.data.sync_volume)
+                config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
@@ -264,6 +264,8 @@ class Daemon:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
             self.meta.engine.sync()  # (write-behind: no blob is published before its commit)
+            if self.files.write_behind is not None and not self.files.write_behind.close():
+                raise fail(errno.EIO)  # (the queue stays journaled, for the reaper)
             self.files.publish_remaining()
             self.files.reap_remaining()
             if self.shared:

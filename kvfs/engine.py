@@ -188,18 +188,26 @@ class LoopChanges(Protocol):
     worker thread costs two hand-offs on top of the round trip)."""
 
     loop_commits: int  # changes committed from the loop
+    id: bytes  # this engine's, in the batches it sends and the changes it announces
 
     async def change_on_loop(self, function: Callable[[], T]) -> T:
         """Call `function`, which makes one change and has no other effects (it may run
         twice), committing from the loop; RoundTripNeeded where a worker must call it."""
         ...
 
-    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None]
-                     ) -> WriteBehind:
+    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
+                     journal: Path) -> WriteBehind:
         """Answer changes ahead of the pool from now on, sent in batches every
-        `gather_seconds` (kvfs/write_behind.py); `sync_volume` flushes the data volume before
-        a batch that follows closes. Returns the queue (closes leave their data's sync to
-        it)."""
+        `gather_seconds` (kvfs/write_behind.py), journaled in the directory `journal` (the
+        session's staging directory); `sync_volume` flushes the data volume before a batch
+        that follows closes. Returns the queue (closes leave their data's sync to it)."""
+        ...
+
+    def replay_behind(self, directory: Path, sender: bytes, same_boot: bool
+                      ) -> tuple[int, int]:
+        """(reaping a dead session) Apply what its write-behind journal in `directory`
+        holds that Redis lacks, unless it comes from another boot; delete the journal.
+        Returns (applied, not applied)."""
         ...
 
 

@@ -46,6 +46,8 @@ COUNTERS = {
     "write_behind_batches": "Batches of changes answered ahead sent to Redis",
     "write_behind_redone": "Changes answered ahead that Redis found stale, made again",
     "write_behind_lost": "Changes answered ahead that could not be made, undone",
+    "write_behind_recovered": "Changes dead hosts answered ahead, applied from their journals",
+    "write_behind_unrecovered": "Changes found in dead hosts' journals and not applied",
 }
 REQUESTS = ("kvfs_request_seconds",
             "Time the daemon took to answer FUSE requests, by request (its own part)")

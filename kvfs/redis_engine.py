@@ -55,6 +55,7 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
+import marshal
 import os
 import random
 import struct
@@ -65,6 +66,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from enum import Enum
 from itertools import islice
+from pathlib import Path
 from typing import Literal, NoReturn, TypeVar, cast
 from urllib.parse import urlparse
 
@@ -74,6 +76,7 @@ import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from kvfs.changelog import ChangeLog
 from kvfs.engine import DirectoryTracker, RoundTripNeeded, get_through
 from kvfs.records import FsError, fail
 from kvfs.redis_loop import (
@@ -113,6 +116,8 @@ _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
+JOURNAL_MARSHAL_VERSION = 4
+REPLAY_BATCH = 1000  # journaled changes per script call when a dead session's are applied
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # After a wake-up the watcher lets announcements gather this long before it reads again: a
 # storing host hears its own three per store, and one wake-up each cost ~150 µs of CPU and
@@ -228,6 +233,11 @@ def _set_keys(family: str, start: bytes) -> list[bytes]:
 
 def _counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
+
+
+def _batch_marker(sender: bytes) -> bytes:
+    """Where a write-behind sender's last batch and its answer are kept."""
+    return PREFIX + b"batch:" + sender.hex().encode()
 
 
 ScriptCall = tuple[list[bytes], list[bytes | int]]  # a change's part of COMMIT_SCRIPT's call
@@ -503,6 +513,22 @@ class _Change:
         self.emptied: list[bytes] = []  # key prefixes (records) with no record yet
         self.agreed = False  # `agree_first`: never answered ahead of Redis
         self.function: Callable[[_Change], object] | None = None  # (answered ahead: to redo)
+        self.announcer = engine.id  # whose change other hosts are told it is
+
+    def journaled(self) -> bytes:
+        """What the write-behind journal keeps of a change answered ahead (one that scanned
+        nothing and cleared nothing: the loop's changes cannot): what its commit checks and
+        applies (`from_journal`)."""
+        return marshal.dumps((self.read, self.writes, self.adds), JOURNAL_MARSHAL_VERSION)
+
+    @classmethod
+    def from_journal(cls, engine: RedisEngine, payload: bytes, announcer: bytes) -> _Change:
+        """A journaled change, to commit again (announced as `announcer`'s)."""
+        with engine.client.pipeline(transaction=True) as pipe:  # (never used)
+            change = cls(engine, pipe)
+        change.read, change.writes, change.adds = marshal.loads(payload)
+        change.announcer = announcer
+        return change
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if (family, key) in self.writes:
@@ -633,7 +659,7 @@ class _Change:
         changed = [(family, key, value) for (family, key), value in self.writes.items()
                    if family in ANNOUNCED]
         if changed:
-            op(b"P", None, self.engine.channel, announcement(self.engine.id, changed))
+            op(b"P", None, self.engine.channel, announcement(self.announcer, changed))
         return keys, args
 
     def _run_script(self, with_writes: bool) -> bool:
@@ -976,10 +1002,34 @@ class RedisEngine:
     def track_names(self, tracker: DirectoryTracker) -> None:
         self.cache.track(tracker)
 
-    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None]
-                     ) -> WriteBehind:
-        self.behind = WriteBehind(self, gather_seconds, sync_volume)
+    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
+                     journal: Path) -> WriteBehind:
+        self.behind = WriteBehind(self, gather_seconds, sync_volume, ChangeLog(journal))
         return self.behind
+
+    def replay_behind(self, directory: Path, sender: bytes, same_boot: bool
+                      ) -> tuple[int, int]:
+        """Apply what the write-behind journal in `directory` (a dead session's, whose engine
+        id was `sender`) holds past the last batch Redis took from it, in batches checked
+        and announced as that sender's (sent again, a batch applies nothing twice: two
+        reapers may do this at once); then delete the journal. Returns (applied, not
+        applied): stale ones (another host changed what they read), or every one if the
+        journal comes from another boot (it and the data it names may have lost their
+        tail)."""
+        journal = ChangeLog(directory)
+        first = journal.first()
+        if first is None:
+            return 0, 0
+        marker = _reply(self.call(self.client.get, _batch_marker(sender)))
+        sent = int(marker.split(b":")[0]) if marker else 0
+        records = [(seq, payload) for seq, payload, _ in journal.records(max(sent, first - 1))]
+        applied = 0
+        for start in range(0, len(records) if same_boot else 0, REPLAY_BATCH):
+            part = records[start:start + REPLAY_BATCH]
+            changes = [_Change.from_journal(self, payload, sender) for _, payload in part]
+            applied += sum(self.commit_batch(changes, b"%d" % part[-1][0], sender))
+        journal.drop_all()
+        return applied, len(records) - applied
 
     def caught_up(self) -> None:
         """Before a change made the long way, or a read of what a scan or a counter sums
@@ -991,12 +1041,14 @@ class RedisEngine:
         """Whether the last request found Redis unreachable (for DOWN_SECONDS)."""
         return time.monotonic() < self._down_until
 
-    def commit_batch(self, batch: list[_Change], token: bytes) -> list[int]:
+    def commit_batch(self, batch: list[_Change], token: bytes, sender: bytes | None = None
+                     ) -> list[int]:
         """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change.
         Sent again with the same `token` (after a reply that never came), it answers as the
-        first time, applying nothing twice."""
+        first time, applying nothing twice. `sender`: the engine whose batch it is (this
+        one's, or a dead session's being replayed)."""
         keys, args = batched([change.script_call(with_writes=True) for change in batch],
-                             PREFIX + b"batch:" + self.id.hex().encode(), token)
+                             _batch_marker(sender or self.id), token)
         return cast("list[int]", self.call(self._commit_packed, keys, args))
 
     def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:

@@ -8,8 +8,11 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
 - Its staged data lives in `staging/<session>/`, which only it (or whoever reaps it) deletes.
 - It renews a heartbeat every TTL/4. A session not seen beating in two checks at least TTL
   apart, while this host's own heartbeats went through, is dead (a Redis restart or stall
-  therefore kills nobody). One live host claims it (an atomic removal of its record) and
-  cleans up after it: its staged blobs are published (committed) or deleted (not), the files
+  therefore kills nobody); one whose daemon ran on this machine in this boot and has exited
+  is dead at once (a daemon restarted after a crash recovers its old session's work now).
+  One live host claims it (an atomic removal of its record) and cleans up after it: what its
+  write-behind journal holds is applied, its staged blobs are published (committed) or
+  deleted (not), the files
   it wrote whose checksums were still pending are hashed if it ran on this machine's boot and
   dropped otherwise (their bytes may never have reached the volume), and its holds go.
 - It holds, in the engine, every blob it has open (`held` records): eviction spares a file
@@ -38,9 +41,10 @@ import trio
 
 from kvfs.callers_cpu import on_loop, wake
 from kvfs.data import DataStore
+from kvfs.engine import LoopChanges
 from kvfs.meta import Inode, MetaStore, u64
 from kvfs.offloop import off_loop
-from kvfs.reaper import clean_up_after, reap_doomed
+from kvfs.reaper import Leftovers, reap_doomed, reap_session
 from kvfs.records import BlobInfo
 from kvfs.stats import Stats
 from kvfs.volume import Volume, boot_id
@@ -58,6 +62,26 @@ RELEASE_RETRY_SECONDS = 1.0  # after a failed one (the engine unreachable)
 RECENT_BATCHES = 64
 
 
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _exited_here(record: dict) -> bool:
+    """Whether a session's daemon ran on this machine, in this boot and process namespace,
+    and is no more: dead for certain, reaped without waiting for its heartbeat to expire (a
+    daemon restarted after a crash cleans up after its old self at once)."""
+    if (record.get("host") != socket.gethostname() or record.get("boot") != boot_id()
+            or record.get("pid_namespace") != _pid_namespace()):
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # (another user's process has that pid now)
+    return False
+
+
 def new_session_id(meta: MetaStore) -> bytes:
     """A fresh id for this mount in a shared pool (b"" on one host); the metadata store
     marks what it records for the session with it."""
@@ -71,8 +95,7 @@ class UpkeepRound:
 
     staged_elsewhere: int  # bytes other hosts' writers have staged
     lost: bool  # this session had been declared dead (and has rejoined)
-    reaped: int  # dead sessions this host cleaned up after
-    want_sums: list[int]  # their pending blobs, to be hashed here
+    reaped: list[Leftovers]  # what the dead sessions this host cleaned up after left
 
 
 class Session:
@@ -102,7 +125,9 @@ class Session:
         self._sweep_wanted = trio.Event()
         self._record: dict[str, Any] = {  # JSON: the session's record
             "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
-            "mountpoint": str(mountpoint), "staged": 0}
+            "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint), "staged": 0}
+        if isinstance(meta.engine, LoopChanges):  # (whose write-behind batches are its)
+            self._record["engine"] = meta.engine.id.hex()
         if self.shared:
             meta.engine.beat(self.id, ttl)
             meta.register_session(self.id, json.dumps(self._record).encode())
@@ -268,9 +293,12 @@ class Session:
                 if round_.lost:  # the reaper dropped this session's holds: none to release
                     self._releasing.clear()
                     self.on_lost()
-                self.stats.sessions_reaped += round_.reaped
-                for blob_id in round_.want_sums:
-                    want_sums(blob_id)
+                for leftovers in round_.reaped:
+                    self.stats.sessions_reaped += 1
+                    self.stats.write_behind_recovered += leftovers.recovered
+                    self.stats.write_behind_unrecovered += leftovers.unrecovered
+                    for blob_id in leftovers.to_hash:
+                        want_sums(blob_id)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("session upkeep failed")
@@ -292,8 +320,7 @@ class Session:
         self.meta.register_session(self.id, json.dumps(self._record).encode())
         others = sum(json.loads(raw).get("staged", 0)
                      for session, raw in sessions.items() if session != self.id)
-        reaped, want_sums = self._reap_dead(sessions)
-        return UpkeepRound(others, lost, reaped, want_sums)
+        return UpkeepRound(others, lost, self._reap_dead(sessions))
 
     def _rejoin(self, held: list[int]) -> None:
         """After being declared dead: the reaper took this session's staging directory, holds
@@ -303,27 +330,26 @@ class Session:
             self.meta.hold(blob_id, self.id)
         self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
 
-    def _reap_dead(self, sessions: dict[bytes, bytes]) -> tuple[int, list[int]]:
-        """Claim and clean up after sessions seen dead long enough; returns how many, and
-        the pending blobs this host should now take the sums of."""
+    def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[Leftovers]:
+        """Claim and clean up after sessions seen dead long enough; what they left."""
         now = time.monotonic()
-        reaped = 0
-        wanted: list[int] = []
+        reaped = []
         for session, raw in sessions.items():
-            if session == self.id or self.meta.engine.alive(session):
-                self._seen_dead.pop(session, None)
-                continue
-            first = self._seen_dead.setdefault(session, now)
-            if now - first < self.ttl or now - self._beat_ok > self.ttl / 2:
+            if session == self.id:
                 continue
             record = json.loads(raw)
-            if not self.meta.end_session(session):
-                continue  # another host claimed it first
+            if not _exited_here(record):
+                if self.meta.engine.alive(session):
+                    self._seen_dead.pop(session, None)
+                    continue
+                first = self._seen_dead.setdefault(session, now)
+                if now - first < self.ttl or now - self._beat_ok > self.ttl / 2:
+                    continue
+            leftovers = reap_session(self.meta, self.data, self.volume, session, record)
             self._seen_dead.pop(session, None)
-            wanted += clean_up_after(self.meta, self.data, self.volume, session,
-                                     record).to_hash
-            reaped += 1
-        return reaped, wanted
+            if leftovers is not None:  # (else another host claimed it first)
+                reaped.append(leftovers)
+        return reaped
 
     # -- the doomed sweep ----------------------------------------------------------------
 

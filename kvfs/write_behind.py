@@ -27,11 +27,18 @@ sent again after a reply that never came is answered as the first time (its toke
   removing a directory, every removal, a rename onto an existing name and a close that
   replaces content: what other hosts' changes build on, or what frees data on the change's
   word.
-- What a crash may lose: a daemon killed with changes queued loses them (at most MS
-  milliseconds of them, and the batch on its way); the staged data they named belongs to no
-  committed file, and is deleted with the dead session. Redis unreachable: the queue waits
-  and goes once Redis is back; callers that wait for it meanwhile get EIO, as any request
-  that needs Redis does.
+- What a crash may lose: every change is journaled before it is answered (`journal`: a
+  copy into a mapped segment in the session's staging directory, kvfs/changelog.py's format;
+  no system call, no sync), and segments go once Redis has their changes. The host that
+  reaps a dead session (kvfs/reaper.py) applies what its journal holds past the last batch
+  Redis took, checked as any batch: a daemon that dies, its machine up, loses nothing (a
+  change another host made stale meanwhile is not applied: logged). After the machine itself
+  went down the journal is not read (what it and the data it names kept is not known): the
+  changes of the last MS milliseconds and the batch on its way are lost, as a local
+  filesystem loses what was not synced; their staged data belongs to no committed file, and
+  is deleted with the dead session. Redis unreachable: the queue waits and goes once Redis is
+  back; callers that wait for it meanwhile get EIO, as any request that needs Redis does; an
+  unmount that cannot send it leaves the session and its journal to the reaper.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvfs.changelog import ChangeLog
 from kvfs.records import FsError
 
 if TYPE_CHECKING:
@@ -58,8 +66,9 @@ class WriteBehind:
     """The queue of changes answered ahead of Redis, and the thread that sends it."""
 
     def __init__(self, engine: RedisEngine, gather_seconds: float,
-                 sync_volume: Callable[[], None]) -> None:
+                 sync_volume: Callable[[], None], journal: ChangeLog) -> None:
         self.engine = engine
+        self.journal = journal  # (the loop appends, the sender releases: under `_cond`)
         self.gather_seconds = gather_seconds
         self.sync_volume = sync_volume
         self.records: dict[bytes, bytes | None] = {}  # what the queue wrote, newest value
@@ -90,6 +99,7 @@ class WriteBehind:
         """(the loop) `change` is answered: it goes with the next batch, and this host reads
         its writes from now on."""
         with self._cond:
+            self.journal.append(self._answered + 1, change.journaled())
             self._answered += 1
             for record, value in change.record_writes():
                 self.records[record] = value
@@ -171,6 +181,7 @@ class WriteBehind:
                     if self._written_by.get(record, answered + 1) <= answered:
                         del self._written_by[record], self.records[record]
                 self._settled, self._synced = answered, unsynced
+                self.journal.release(answered)
                 self._cond.notify_all()
             for change in redone:
                 self.engine.unsee_ahead(change)
@@ -180,7 +191,7 @@ class WriteBehind:
         """Sync the volume if closes wait for it, then send `batch` until Redis takes it,
         with the same `token` each time (a try whose reply never came may have been applied:
         the script then answers as it did, applying nothing twice); the changes redone or
-        lost. None if the mount closes while Redis cannot be reached (the queue is lost)."""
+        lost. None if the mount closes while Redis cannot be reached (the journal keeps them)."""
         while True:
             try:
                 if unsynced > self._synced:
@@ -193,10 +204,9 @@ class WriteBehind:
                     self.lost += len(batch)
                     return batch
                 if self._closing:  # (else Redis is unreachable: the batch goes again)
-                    lost = len(batch) + len(self._queue)
-                    self.lost += lost
-                    log.error("unmounted with %d metadata changes not in Redis (%s): they "
-                              "are lost", lost, error)
+                    log.error("unmounted with %d metadata changes not in Redis (%s): the "
+                              "host that reaps this session applies them (its journal)",
+                              len(batch) + len(self._queue), error)
                     return None
                 log.warning("%d metadata changes wait for Redis: %s", len(batch), error)
                 time.sleep(RETRY_SECONDS)
@@ -243,12 +253,18 @@ class WriteBehind:
             log.warning("a metadata change answered ahead of Redis could not be made: %s "
                         "(undone)", error)
 
-    def close(self) -> None:
-        """Send what is queued (the thread ends once it has, or given up)."""
+    def close(self) -> bool:
+        """Send what is queued (the thread ends once it has, or given up); whether all went.
+        Then the journal goes; else it stays for the reaper."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=CLOSE_SECONDS)
+        with self._cond:
+            if self._thread.is_alive() or self._settled < self._answered:
+                return False
+            self.journal.drop_all()
+            return True
 
     def counts(self) -> dict[str, int]:
         return dict(zip(COUNTS, (self.answered, self.batches, self.redone, self.lost,

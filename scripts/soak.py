@@ -33,10 +33,10 @@ With --redis the volume is a shared pool (metadata in a redis-server of the soak
 TTL 1 s): after a crash the remount is a new session, and it is the new session that finds the
 old one dead and cleans up after it, so the checks after a crash wait for that (a few seconds).
 
-With --write-behind MS (and --redis) the mount answers changes ahead of Redis: a crash may
-lose what was answered in its last moments (docs/multi-host.md), so the crash checks hold
-only what writers closed more than LOSS_WINDOW_SECONDS before the kill to be there (the
-rest may show an older version, or be missing); everything else is checked as above.
+With --write-behind MS (and --redis) the mount answers changes ahead of Redis and journals
+them: a daemon killed loses none (the remount's session applies the dead one's journal as it
+reaps it: docs/multi-host.md), so everything is checked as above, once the remount has reaped
+the dead session.
 
 At the end the volume is unmounted and `kvfs fsck` must find it clean. A table summarizes
 rounds, operations, crashes survived, bytes verified and every error found; the exit status is
@@ -70,6 +70,7 @@ from typing import Any
 
 from local_redis import LocalRedis
 
+from kvfs.changelog import PREFIX as JOURNAL_SEGMENT
 from kvfs.fsck import recount
 from kvfs.volume import Volume
 
@@ -88,9 +89,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 CAPACITY = "8G"  # far above what the soak keeps, so that nothing is ever evicted
 SESSION_TTL = "1"  # --redis: seconds before a crashed daemon's session is found dead
-# --write-behind: what writers closed this long before a crash must have survived it (the
-# gathering time, and a batch on its way behind a syncfs of the writers' data)
-LOSS_WINDOW_SECONDS = 2.0
 CRASH_WRITERS = 3
 CRASH_READERS = 2
 FILES_PER_WRITER = 4
@@ -508,6 +506,19 @@ class Soak:
         on a shared pool, until the new session has found the old one dead."""
         return 4 * float(SESSION_TTL) + 2 if self.redis else 0.0
 
+    def dead_sessions_reaped(self) -> bool:
+        """(shared pool, after a crash and remount) Wait, up to the recovery time, until the
+        remount's is the only session left (its staging directory the only one); whether
+        it is. Its reaping applies the dead session's write-behind journal."""
+        deadline = time.monotonic() + self.recovery_seconds
+        while True:
+            with os.scandir(self.data / "staging") as entries:
+                if sum(entry.is_dir() for entry in entries) <= 1:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
     def mount(self) -> None:
         shared = [*self.meta_options, "--session-ttl", SESSION_TTL] if self.redis else []
         if self.write_behind:
@@ -636,6 +647,8 @@ class Soak:
         # (os.walk, not rglob: a dead session's directory may go while it is listed)
         for directory, _, names in os.walk(self.data / "staging"):
             for name in names:
+                if name.startswith(JOURNAL_SEGMENT):  # (the live session's write-behind's)
+                    continue
                 with contextlib.suppress(FileNotFoundError):  # taken and published meanwhile
                     sizes[name] = os.stat(os.path.join(directory, name)).st_size
         staged = sorted(name for name, size in sizes.items() if size)
@@ -694,28 +707,20 @@ class Soak:
         self.journal_errors(kind, journal, crash_time)
         tally.operations += sum(1 for line in journal.lines if line[0] in OPS)
         tally.bytes_verified += sum(int(line[3]) for line in journal.of("read"))
-        # What the writers closed and started, over all rounds so far (with write-behind,
-        # what they closed in the moments before the crash may be lost: not counted).
-        cutoff = crash_time - LOSS_WINDOW_SECONDS
-        in_window: dict[str, int] = {}
+        # What the writers closed and started, over all rounds so far.
         for line in journal.of("done"):
-            if not self.write_behind or float(line[3]) <= cutoff:
-                self.done[line[1]] = max(self.done.get(line[1], 0), int(line[2]))
-            else:
-                in_window[line[1]] = max(in_window.get(line[1], 0), int(line[2]))
+            self.done[line[1]] = max(self.done.get(line[1], 0), int(line[2]))
         for line in journal.of("start"):
             self.started[line[1]] = max(self.started.get(line[1], 0), int(line[2]))
-        shown = self.verify_crash_files(number)
-        for name, version in in_window.items():
-            if shown.get(name, 0) < version:  # (a version closed just before the crash)
-                self.notes.append("crash: a version closed in the moments before the crash "
-                                  "lost (write-behind)")
+        if self.redis and not self.dead_sessions_reaped():
+            self.error(kind, f"round {number}: the dead session was not reaped within "
+                             f"{self.recovery_seconds:.0f} s")
+        self.verify_crash_files(number)
         self.space_check(kind, settle=self.recovery_seconds)
 
-    def verify_crash_files(self, number: int) -> dict[str, int]:
-        """Check every file the crash writers left; the version each name shows."""
+    def verify_crash_files(self, number: int) -> None:
+        """Check every file the crash writers left."""
         kind = "crash"
-        shown: dict[str, int] = {}
         done, started = self.done, self.started
         files = {name: size for name, size in self.visible_files().items()
                  if name.startswith("crash/")}
@@ -746,13 +751,10 @@ class Soak:
             if not low <= version <= started.get(name, 0):
                 self.error(kind, f"round {number}: {relative} holds version {version}; closed "
                                  f"{done.get(name)}, started {started.get(name)}")
-            if not relative.endswith(".tmp"):
-                shown[name] = version
         for name in done:
             if name not in files:
                 self.error(kind, f"round {number}: {name} was closed (version {done[name]}) "
                                  "but is gone")
-        return shown
 
     def race_round(self, number: int, seconds: float) -> None:
         kind = "race"

@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -691,19 +692,73 @@ def test_renames_of_two_hosts_onto_one_name_are_both_made(shared_pool, redis_ser
     assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
 
 
-def test_a_host_killed_with_stores_queued_loses_only_those(shared_pool, redis_server) -> None:
-    """A daemon killed while stores it answered wait in its queue: those never happen (their
-    staged data is reclaimed with the dead session); every name another host sees reads back
-    exactly what was stored under it (a store cut between its steps leaves its temporary
-    name, empty or whole, as a crash between them would without write-behind)."""
+def _store_then_kill_with_stores_queued(first: KvfsMount, redis_server: LocalRedis,
+                                        rebooted: bool) -> dict[str, bytes]:
+    """41 vLLM stores on `first` (write-behind), the last while Redis stalls (SIGSTOP for
+    1 s: the batch on its way waits, the store's changes stay queued behind it), then its
+    daemon killed; `rebooted`: its session's record first says it ran in another boot (as a
+    machine that went down and came back would have left it). The stored contents."""
+    (first.mountpoint / "blocks").mkdir()
+    contents = {f"{n:016x}.bin": os.urandom(4096 + 7 * n) for n in range(41)}
+    *earlier, last = contents
+    for name in earlier:
+        vllm_store(first.mountpoint / "blocks", name, contents[name])
+    assert redis_server.process is not None
+    os.kill(redis_server.process.pid, signal.SIGSTOP)
+    resume = threading.Timer(1.0, os.kill, (redis_server.process.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        time.sleep(0.2)  # (a batch gathered meanwhile is on its way, and waits)
+        vllm_store(first.mountpoint / "blocks", last, contents[last])
+        os.kill(first.pid, signal.SIGSTOP)  # (no more batches, heartbeats or record updates)
+    finally:
+        resume.join()
+    if rebooted:
+        client = redis.Redis.from_url(redis_server.url)
+        for key in client.keys(b"{kvfs}:sessions:*"):
+            record = json.loads(client.get(key))
+            if record["pid"] == first.pid:
+                client.set(key, json.dumps({**record, "boot": "another boot"}))
+    first.kill9()
+    return contents
+
+
+def test_a_daemon_killed_with_stores_queued_loses_none_of_them(shared_pool,
+                                                               redis_server) -> None:
+    """A daemon killed while stores it answered wait in its write-behind queue: the host that
+    reaps its session applies them from its journal (the same machine, its page cache
+    intact), so every store is whole on the other host, no temporary name is left, counters
+    are exact and fsck finds the pool clean."""
     first = shared_pool(1, "--write-behind", "50")[0]
     second = shared_pool(1)[0]
-    (first.mountpoint / "blocks").mkdir()
-    contents = {f"{n:016x}.bin": os.urandom(4096 + 7 * n) for n in range(40)}
-    for name, content in contents.items():
-        vllm_store(first.mountpoint / "blocks", name, content)
-    first.kill9()
+    contents = _store_then_kill_with_stores_queued(first, redis_server, rebooted=False)
     assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+    assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
+    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
+    for name, content in contents.items():
+        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    assert_only_spares_staged(first.data, second)
+    assert_pool_counters_exact(second)
+    unmount_all([second])
+    assert staged_files(first.data) == []
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_a_host_that_went_down_with_stores_queued_loses_only_those(shared_pool,
+                                                                   redis_server) -> None:
+    """The same after the machine itself went down (its session's record from another
+    boot): its journal, and the data it names, may have lost their tail, so nothing is
+    applied from it. The stores still queued never happen (their staged data is reclaimed
+    with the dead session); every name another host sees reads back exactly what was stored
+    under it (a store cut between its steps leaves its temporary name, empty or whole, as a
+    crash between them would without write-behind)."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    second = shared_pool(1)[0]
+    contents = _store_then_kill_with_stores_queued(first, redis_server, rebooted=True)
+    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+    assert stats(second.mountpoint)["write_behind_recovered"] == 0
+    assert stats(second.mountpoint)["write_behind_unrecovered"] > 0
     for name in os.listdir(second.mountpoint / "blocks"):
         content = (second.mountpoint / "blocks" / name).read_bytes()
         if name in contents:
