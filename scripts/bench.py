@@ -5,7 +5,8 @@
 Needs root (drop_caches, kvfs's sysfs tuning) and fio. One kvfs volume and one plain directory
 live under the work directory (default bench-work/ in the repository, so both are on the same
 filesystem) and get the same bytes; every benchmark runs on both in the same run, alternating,
-and reports the median of --runs runs and the ratio kvfs/plain. Everything is unmounted and
+and reports the median of --runs runs and the ratio kvfs/plain (the median of the runs'
+ratios: each run measures both sides back to back). Everything is unmounted and
 removed at the end, also after an error or Ctrl-C. Results are printed and saved as JSON.
 
 These machines are Firecracker VMs with free page reporting: memory idle for a few seconds goes
@@ -154,8 +155,15 @@ class Metric:
 
     @property
     def ratio(self) -> float | None:
-        plain, kvfs = self.median("plain"), self.median("kvfs")
-        return kvfs / plain if plain and kvfs is not None else None
+        """kvfs / plain: the median of each run's ratio where every run measured both (a
+        run's two sides ran back to back: the VM's drift between runs cancels), else the
+        ratio of the medians."""
+        plain, kvfs = self.runs["plain"], self.runs["kvfs"]
+        if plain and len(plain) == len(kvfs) and all(plain):
+            return statistics.median(k / p for k, p in zip(kvfs, plain, strict=True))
+        plain_median, kvfs_median = self.median("plain"), self.median("kvfs")
+        return (kvfs_median / plain_median if plain_median and kvfs_median is not None
+                else None)
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "median": {t: self.median(t) for t in TARGETS},
