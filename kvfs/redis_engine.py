@@ -13,8 +13,10 @@ that hosts rarely contend (JuiceFS on Redis is the model). Keys, all under one h
     {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
     {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
     {kvfs}:batch:<engine id>           a write-behind sender's last batch and its answer, so
-                                       that a batch sent again is not applied twice
-                                       (kvfs/write_behind.py); expires after 10 minutes
+                                       that a batch sent again is not applied twice, and
+                                       the reaper of a dead session knows what of its
+                                       journal Redis has (kvfs/write_behind.py); expires
+                                       after a week
 
 Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
 Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
@@ -117,6 +119,10 @@ _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
 JOURNAL_MARSHAL_VERSION = 4
+# A batch marker outlives its sender by this long: a dead session reaped later (every host down
+# meanwhile) would take its journal's applied changes for unsent ones (their commit checks
+# would then find them stale: counted as not applied).
+MARKER_MS = 7 * 24 * 3600 * 1000
 REPLAY_BATCH = 1000  # journaled changes per script call when a dead session's are applied
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # After a wake-up the watcher lets announcements gather this long before it reads again: a
@@ -177,7 +183,7 @@ if token ~= '' then
   redis.call('SET', KEYS[1], token .. ':' .. table.concat(applied), 'PX', MARKER_MS)
 end
 return applied
-""".replace("ID_END", str(ENGINE_ID_BYTES + 1)).replace("MARKER_MS", str(600_000))
+""".replace("ID_END", str(ENGINE_ID_BYTES + 1)).replace("MARKER_MS", str(MARKER_MS))
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])
