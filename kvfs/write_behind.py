@@ -146,9 +146,10 @@ class WriteBehind:
 
     def sent(self, hurry: bool = True) -> bool:
         """`settle` for as long as it takes while Redis answers (a batch under conflicts
-        may take seconds); False once Redis cannot be reached."""
+        may take seconds); False once Redis cannot be reached, or the sender has given up
+        (closed: what it did not send stays journaled)."""
         while not self.settle(RETRY_SECONDS, hurry):
-            if self.engine.unreachable():
+            if self.engine.unreachable() or not self._thread.is_alive():
                 return False
         return True
 

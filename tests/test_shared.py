@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import (
+    JOURNAL_SEGMENT,
     MOUNT_SCRIPT,
     KvfsMount,
     answered_early,
@@ -37,6 +38,7 @@ from conftest import (
     missing,
     pid_alive,
     stats,
+    wait_dead,
     wait_for,
 )
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
@@ -767,6 +769,44 @@ def test_a_host_that_went_down_with_stores_queued_loses_only_those(shared_pool,
             final, _, _ = name.rpartition(".bin.")
             assert name.endswith(".tmp") and content in (b"", contents[final + ".bin"])
     assert_only_spares_staged(first.data, second)
+    assert_pool_counters_exact(second)
+    unmount_all([second])
+    assert staged_files(first.data) == []
+    checked = fsck(first.data, redis_server.url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def test_an_unmount_without_redis_leaves_its_queue_to_the_reaper(shared_pool,
+                                                                  redis_server) -> None:
+    """A host unmounted while Redis stalls (SIGSTOP), its last store answered ahead and not
+    in Redis: the unmount gives up on Redis and keeps its session, staged data and journal;
+    once Redis answers again the other host reaps the session at once (its daemon has
+    exited) and applies the journal: every store is whole, counters exact, fsck clean."""
+    first = shared_pool(1, "--write-behind", "50")[0]
+    [session] = [path for path in (first.data / "staging").iterdir() if path.is_dir()]
+    second = shared_pool(1)[0]
+    (first.mountpoint / "blocks").mkdir()
+    contents = {f"{n:016x}.bin": os.urandom(4096 + 5 * n) for n in range(11)}
+    for name, content in contents.items():
+        vllm_store(first.mountpoint / "blocks", name, content)
+    assert redis_server.process is not None
+    os.kill(redis_server.process.pid, signal.SIGSTOP)  # (the last store's batch gathers)
+    try:
+        subprocess.run(["fusermount3", "-u", "-z", str(first.mountpoint)], check=True)
+        assert wait_dead(first.pid, 60)  # (each request to Redis times out: seconds)
+        first.pid = 0
+        assert [path.name for path in session.iterdir()
+                if path.name.startswith(JOURNAL_SEGMENT)]
+    finally:
+        os.kill(redis_server.process.pid, signal.SIGCONT)
+    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+    # (A batch it had sent when Redis stalled reaches Redis once it answers: its changes are
+    # applied then, and the journal's replay skips them.)
+    assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
+    assert not session.exists()
+    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
+    for name, content in contents.items():
+        assert (second.mountpoint / "blocks" / name).read_bytes() == content
     assert_pool_counters_exact(second)
     unmount_all([second])
     assert staged_files(first.data) == []
