@@ -25,7 +25,8 @@ with SCAN.
 A change is one optimistic transaction: the change runs against a write buffer, reading
 records with plain GETs (one round trip each, no WATCH); its commit is one script
 (COMMIT_SCRIPT) that checks that every record it read still holds what it read and only then
-applies its writes, and a conflict runs it again, after a short random wait. A change that
+applies its writes, and a conflict runs it again, after a short random wait (for up to
+CHANGE_SECONDS; then EAGAIN). A change that
 scans a partition WATCHes it (a script cannot compare a scan cheaply), and its script then
 runs inside MULTI/EXEC. A change that fails
 (ENOENT, or a record that contradicts another) fails only if what it read is still current:
