@@ -269,9 +269,7 @@ def test_stores_in_a_directory_this_host_made_commit_from_the_request_loop(share
     # the pool's room was due for its check (once a second) or the id stock for a refill: a
     # worker's.
     assert stats(first.mountpoint)["metadata_loop_commits"] - before >= 27
-    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
-    for name, content in contents.items():
-        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    _assert_stores_whole(second.mountpoint / "blocks", contents)
     assert stats(second.mountpoint)["metadata_loop_commits"] == 0
     assert_pool_counters_exact(first)
 
@@ -592,6 +590,22 @@ def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
         meta.close()
 
 
+def _unmount_and_find_clean(hosts: list[KvfsMount], redis_url: str) -> None:
+    """Unmount every host of the pool: nothing is left staged, and `kvfs fsck` finds the pool
+    clean."""
+    unmount_all(hosts)
+    assert staged_files(hosts[0].data) == []
+    checked = fsck(hosts[0].data, redis_url)
+    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+
+
+def _assert_stores_whole(directory: Path, contents: dict[str, bytes]) -> None:
+    """`directory` holds exactly these names, each with its content."""
+    assert sorted(os.listdir(directory)) == sorted(contents)
+    for name, content in contents.items():
+        assert (directory / name).read_bytes() == content
+
+
 def vllm_store(directory: Path, name: str, content: bytes) -> None:
     """A store as vLLM's own tier makes it: an O_EXCL random temporary name, one write, a
     rename."""
@@ -632,10 +646,7 @@ def test_write_behind_answers_stores_at_once_and_every_host_sees_them(shared_poo
     assert any(line.startswith("kvfs_write_behind_answered_total ")
                and float(line.split()[1]) >= 3 * len(contents) for line in lines)
     assert_pool_counters_exact(second)
-    unmount_all([first, second])
-    assert staged_files(first.data) == []
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+    _unmount_and_find_clean([first, second], redis_server.url)
 
 
 def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
@@ -663,10 +674,7 @@ def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
     assert sorted(os.listdir(first.mountpoint)) == sorted(os.listdir(second.mountpoint)) == [
         "lock", "warm"]
     assert_pool_counters_exact(first)
-    unmount_all([first, second])
-    assert staged_files(first.data) == []
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+    _unmount_and_find_clean([first, second], redis_server.url)
 
 
 def test_renames_of_two_hosts_onto_one_name_are_both_made(shared_pool, redis_server) -> None:
@@ -736,15 +744,10 @@ def test_a_daemon_killed_with_stores_queued_loses_none_of_them(shared_pool,
     contents = _store_then_kill_with_stores_queued(first, redis_server, rebooted=False)
     assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
     assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
-    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
-    for name, content in contents.items():
-        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    _assert_stores_whole(second.mountpoint / "blocks", contents)
     assert_only_spares_staged(first.data, second)
     assert_pool_counters_exact(second)
-    unmount_all([second])
-    assert staged_files(first.data) == []
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+    _unmount_and_find_clean([second], redis_server.url)
 
 
 def test_a_host_that_went_down_with_stores_queued_loses_only_those(shared_pool,
@@ -770,10 +773,7 @@ def test_a_host_that_went_down_with_stores_queued_loses_only_those(shared_pool,
             assert name.endswith(".tmp") and content in (b"", contents[final + ".bin"])
     assert_only_spares_staged(first.data, second)
     assert_pool_counters_exact(second)
-    unmount_all([second])
-    assert staged_files(first.data) == []
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+    _unmount_and_find_clean([second], redis_server.url)
 
 
 def test_an_unmount_without_redis_leaves_its_queue_to_the_reaper(shared_pool,
@@ -804,14 +804,9 @@ def test_an_unmount_without_redis_leaves_its_queue_to_the_reaper(shared_pool,
     # applied then, and the journal's replay skips them.)
     assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
     assert not session.exists()
-    assert sorted(os.listdir(second.mountpoint / "blocks")) == sorted(contents)
-    for name, content in contents.items():
-        assert (second.mountpoint / "blocks" / name).read_bytes() == content
+    _assert_stores_whole(second.mountpoint / "blocks", contents)
     assert_pool_counters_exact(second)
-    unmount_all([second])
-    assert staged_files(first.data) == []
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
+    _unmount_and_find_clean([second], redis_server.url)
 
 
 def test_stores_queued_when_redis_stalls_reach_it_once_it_answers(shared_pool,
