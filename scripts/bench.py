@@ -57,6 +57,7 @@ from bench_io import (
     make_tree,
     read_files,
     run_cleaning_up,
+    save_report,
     stat_paths,
     walk_tree,
     warm_files,
@@ -941,32 +942,21 @@ def print_report(bench: Bench, found: list[Check]) -> None:
 
 
 def save(bench: Bench, found: list[Check], out: Path, started: float, finished: bool) -> None:
-    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True).stdout.strip()
-    report = {
+    save_report(out, {
         "finished": finished,
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
         "groups": bench.groups,
         "mount_options": bench.mount_options,
-        "environment": {
-            "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "kvfs_git": git, "workdir": str(bench.workdir),
-            "workdir_filesystem": subprocess.run(
-                ["findmnt", "-no", "SOURCE,FSTYPE", "-T", str(bench.workdir.parent)],
-                capture_output=True, text=True).stdout.strip(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
         "metrics": [m.as_json() for m in bench.metrics.values()],
         "checks": [asdict(c) for c in found],
         "rss_peak_bytes_by_phase": bench.rss.peaks,
         "private_memory_peak_bytes_by_phase": bench.rss.private_peaks,
         "populate": bench.populate,
         "notes": bench.notes,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    CONSOLE.print(f"results saved to {out}")
+    }, bench.workdir, CONSOLE, workdir_filesystem=subprocess.run(
+        ["findmnt", "-no", "SOURCE,FSTYPE", "-T", str(bench.workdir.parent)],
+        capture_output=True, text=True).stdout.strip())
 
 
 def parse_args() -> argparse.Namespace:

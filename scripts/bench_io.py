@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import signal
 import stat
 import subprocess
@@ -333,3 +334,19 @@ def run_cleaning_up(bench: Any, console: Any) -> tuple[float, bool]:
         with console.status("cleaning up …"):
             bench.cleanup()
     return started, finished
+
+
+def save_report(out: Path, report: dict[str, Any], workdir: Path, console: Any,
+                **environment: str) -> None:
+    """Write a benchmark's `report` to `out` as JSON, with the run's environment: kernel,
+    CPUs, Python, kvfs's commit, `workdir`, the time, and the entries of `environment`."""
+    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True).stdout.strip()
+    report = report | {"environment": {
+        "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+        "kvfs_git": git, "workdir": str(workdir), **environment,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"results saved to {out}")

@@ -57,6 +57,7 @@ from bench_io import (
     make_empty_files,
     read_files,
     run_cleaning_up,
+    save_report,
     stat_paths,
     write_files,
 )
@@ -463,21 +464,12 @@ def print_report(bench: Bench) -> None:
 
 
 def save(bench: Bench, out: Path, started: float, finished: bool) -> None:
-    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True).stdout.strip()
-    report = {
+    save_report(out, {
         "finished": finished,
         "seconds": round(time.monotonic() - started, 1),
         "plan": asdict(bench.plan),
         "mount_options": bench.mount_options,
         "redis_mount_options": bench.redis_options,
-        "environment": {
-            "kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "kvfs_git": git, "workdir": str(bench.workdir),
-            "redis": subprocess.run(["redis-server", "--version"], capture_output=True,
-                                    text=True).stdout.strip(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
         "targets": {"plain": "the backing directory",
                     "lmdb": "one kvfs mount, embedded LMDB metadata",
                     "redis": "two kvfs mounts of one pool, metadata in one local Redis; "
@@ -487,10 +479,8 @@ def save(bench: Bench, out: Path, started: float, finished: bool) -> None:
         "kvfs_stats_at_end": bench.kvfs_stats,
         "kvfs_log_problems": bench.log_problems,
         "notes": bench.notes,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    CONSOLE.print(f"results saved to {out}")
+    }, bench.workdir, CONSOLE, redis=subprocess.run(
+        ["redis-server", "--version"], capture_output=True, text=True).stdout.strip())
 
 
 def parse_args() -> argparse.Namespace:
