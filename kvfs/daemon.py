@@ -146,7 +146,7 @@ class Daemon:
                                config.spares is SpareMode.ON,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
-        self.session.on_lost = self.files.spares.forget
+        self.session.on_lost = self.files.session_lost
         if config.write_behind_ms and isinstance(self.meta.engine, LoopChanges):
             self.files.write_behind = self.meta.engine.write_behind(
                 config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)

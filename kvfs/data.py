@@ -39,6 +39,7 @@ from pathlib import Path
 import xxhash
 
 from kvfs.records import BlobInfo, fail
+from kvfs.volume_helper import move
 
 BLOCK_SIZE = 1 << 20  # checksum granularity; also the largest request the kernel sends
 MAX_FILE_SIZE = (1 << 44) - 4096  # as ext4 with 4 KiB blocks: larger sizes get EFBIG
@@ -68,6 +69,18 @@ def data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
             return
         position = min(os.lseek(fd, start, os.SEEK_HOLE), size)
         yield start, position
+
+
+def copy_data(source: int, target: int, size: int, short: str) -> None:
+    """Copy the first `size` bytes of `source` into `target` (its data, not its holes), and
+    make `target` that size; `short`: the error if `source` ends before."""
+    for start, end in data_ranges(source, size):
+        while start < end:
+            done = os.copy_file_range(source, target, end - start, start, start)
+            if done == 0:
+                raise OSError(errno.EIO, short)
+            start += done
+    os.ftruncate(target, size)
 
 
 @functools.cache
@@ -229,7 +242,9 @@ class DataStore:
             os.close(fd)
 
     def publish(self, blob_id: int) -> None:
-        os.rename(self.staging_path(blob_id), self.path(blob_id))
+        error = move(self.staging_path(blob_id), self.path(blob_id))
+        if error:
+            raise OSError(error, os.strerror(error))
 
     def discard_staging(self, blob_id: int) -> None:
         _unlink_quietly(self.staging_path(blob_id))
@@ -460,19 +475,31 @@ class StagedFile:
     def _replaces_base(self, offset: int, length: int) -> bool:
         return offset == 0 and length >= self.size
 
+    def _stage_again(self) -> None:
+        """Another host reaped this host's staging directory while it stalled (it was
+        declared dead), and the file's name went with it: its data, still in the open file,
+        is staged again under the same name (its blob id is still this host's alone)."""
+        os.makedirs(self.store.staging_dir, exist_ok=True)  # (before the rejoin makes it)
+        fd = self.store.create_staging(self.blob_id)
+        try:
+            copy_data(self.fd, fd, self.size, "staged file shorter than written")
+        except BaseException:
+            os.close(fd)
+            self.store.discard_staging(self.blob_id)
+            raise
+        seen = self._seen == _file_state(self.fd)
+        os.close(self.fd)
+        self.fd = fd
+        if seen:  # (what the kernel wrote is taken: a new file is not new writes)
+            self._seen = _file_state(fd)
+
     def materialize(self) -> None:
         """Copy the base content in (its data, not its holes), on the first change that
         keeps part of it, or before the kernel writes into the file."""
         if self._base is None:
             return
         base_fd, base = self._base
-        for start, end in data_ranges(base_fd, base.size):
-            while start < end:
-                done = os.copy_file_range(base_fd, self.fd, end - start, start, start)
-                if done == 0:
-                    raise OSError(errno.EIO, "base blob shorter than recorded")
-                start += done
-        os.ftruncate(self.fd, base.size)
+        copy_data(base_fd, self.fd, base.size, "base blob shorter than recorded")
         self._base = None  # (only now: a copy that failed is made again whole)
         self.sums = dict(enumerate(base.sums))
         self._measure()
@@ -593,6 +620,8 @@ class StagedFile:
         if self._finished is not None:
             return self._finished
         self.materialize()
+        if self.store.shared and not os.fstat(self.fd).st_nlink:
+            self._stage_again()
         if hash_later:
             sums, pending = array("Q"), True
         else:
@@ -602,10 +631,6 @@ class StagedFile:
             sums, pending = block_sums(self.fd, self.size, self.sums), False
         if self.store.fsync and sync:
             os.fdatasync(self.fd)
-        if self.store.shared and not os.fstat(self.fd).st_nlink:
-            # Another host reaped this host's staging directory (it was declared dead): the
-            # commit would name a blob no publishing can find. The close fails instead.
-            raise fail(errno.EIO)
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
                                   pending)
         return self._finished

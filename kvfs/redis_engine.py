@@ -65,6 +65,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from enum import Enum
@@ -89,7 +90,7 @@ from kvfs.redis_loop import (
     LoopConnectionError,
     packed_command,
 )
-from kvfs.write_behind import WriteBehind
+from kvfs.write_behind import APPLIED, TAKEN, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -144,25 +145,39 @@ CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go f
 # announcements of the changes applied go out as one message. With a token, the marker keeps
 # the batch's answer: a batch sent again (its first reply never came) answers the same without
 # applying anything twice. (A single commit is a batch of one, without a token: `batched`.)
+# A token is the sequence number of the batch's last change, its changes the ones after the
+# previous batch's: where the marker is past the first of them, another sent those already
+# under this sender's name (the reaper of a session declared dead while its host was only
+# stalled, or that host once awake): they are neither checked nor applied, and answered 2.
 COMMIT_SCRIPT = """
-local token, applied, at, base, channel, message = ARGV[1], {}, 3, 0, nil, nil
+local token, count, applied, at, base, channel, message = ARGV[1], tonumber(ARGV[2]), {}, 3, 0
+local taken, last = 0, 0
 if token ~= '' then
   base = 1
   local done = redis.call('GET', KEYS[1])
-  if done and string.sub(done, 1, #token + 1) == token .. ':' then
-    for i = #token + 2, #done do applied[#applied + 1] = tonumber(string.sub(done, i, i)) end
-    return applied
+  if done then
+    local colon = string.find(done, ':', 1, true)
+    if string.sub(done, 1, colon) == token .. ':' then
+      for i = colon + 1, #done do applied[#applied + 1] = tonumber(string.sub(done, i, i)) end
+      return applied
+    end
+    last = tonumber(string.sub(done, 1, colon - 1))
+    taken = last - (tonumber(token) - count)
   end
 end
-for c = 1, tonumber(ARGV[2]) do
+for c = 1, count do
   local keys, args, first = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), at + 2
   local read, ok = tonumber(ARGV[first]), 1
-  for i = 1, read do
-    local held, now = ARGV[first + i], redis.call('GET', KEYS[base + i])
-    if held == '' then
-      if now then ok = 0 break end
-    elseif now ~= string.sub(held, 2) then
-      ok = 0 break
+  if c <= taken then
+    ok = 2
+  else
+    for i = 1, read do
+      local held, now = ARGV[first + i], redis.call('GET', KEYS[base + i])
+      if held == '' then
+        if now then ok = 0 break end
+      elseif now ~= string.sub(held, 2) then
+        ok = 0 break
+      end
     end
   end
   if ok == 1 then
@@ -183,7 +198,7 @@ for c = 1, tonumber(ARGV[2]) do
   at, base = first + args, base + keys
 end
 if message then redis.call('PUBLISH', channel, message) end
-if token ~= '' then
+if token ~= '' and tonumber(token) > last then
   redis.call('SET', KEYS[1], token .. ':' .. table.concat(applied), 'PX', MARKER_MS)
 end
 return applied
@@ -1030,7 +1045,7 @@ class RedisEngine:
         reapers may do this at once); then delete the journal. Returns (applied, not
         applied): stale ones (another host changed what they read), or every one if the
         journal comes from another boot (it and the data it names may have lost their
-        tail)."""
+        tail). Changes its host sent meanwhile (it was only stalled) are neither."""
         journal = ChangeLog(directory)
         first = journal.first()
         if first is None:
@@ -1038,13 +1053,13 @@ class RedisEngine:
         marker = _reply(self.call(self.client.get, _batch_marker(sender)))
         sent = int(marker.split(b":")[0]) if marker else 0
         records = [(seq, payload) for seq, payload, _ in journal.records(max(sent, first - 1))]
-        applied = 0
+        answers: Counter[int] = Counter()
         for start in range(0, len(records) if same_boot else 0, REPLAY_BATCH):
             part = records[start:start + REPLAY_BATCH]
             changes = [_Change.from_journal(self, payload, sender) for _, payload in part]
-            applied += sum(self.commit_batch(changes, b"%d" % part[-1][0], sender))
+            answers.update(self.commit_batch(changes, b"%d" % part[-1][0], sender))
         journal.drop_all()
-        return applied, len(records) - applied
+        return answers[APPLIED], len(records) - answers[APPLIED] - answers[TAKEN]
 
     def caught_up(self) -> None:
         """Before a change made the long way, or a read of what a scan or a counter sums
@@ -1058,7 +1073,8 @@ class RedisEngine:
 
     def commit_batch(self, batch: list[_Change], token: bytes, sender: bytes | None = None
                      ) -> list[int]:
-        """Check and apply `batch` in order, in one script call: 1 or 0 (stale) per change.
+        """Check and apply `batch` in order, in one script call: APPLIED, STALE or TAKEN
+        (sent already under this sender's name, COMMIT_SCRIPT) per change.
         Sent again with the same `token` (after a reply that never came), it answers as the
         first time, applying nothing twice. `sender`: the engine whose batch it is (this
         one's, or a dead session's being replayed)."""

@@ -324,7 +324,8 @@ class Session:
 
     def _rejoin(self, held: list[int]) -> None:
         """After being declared dead: the reaper took this session's staging directory, holds
-        and mount record; put them back (its staged writes are lost: their closes fail)."""
+        and mount record; put them back (open writers' closes stage their data again from
+        their open files, kvfs/data.py)."""
         self.data.staging_dir.mkdir(parents=True, exist_ok=True)
         for blob_id in held:
             self.meta.hold(blob_id, self.id)

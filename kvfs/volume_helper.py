@@ -204,9 +204,12 @@ def _publish(connection: socket.socket, paths: list[bytes]) -> None:
 
 def move(source: str | bytes, target: str | bytes) -> int:
     """Rename `source` to `target` (a blob's publishing, here or in the daemon's fallback):
-    0, or the errno of the failure."""
+    0, or the errno of the failure. No `source` but a `target` is a blob published already
+    (by the host that reaped this host's session while it stalled, declared dead)."""
     try:
         os.rename(source, target)
+    except FileNotFoundError:
+        return 0 if os.path.exists(target) else errno.ENOENT
     except OSError as failure:
         return failure.errno or errno.EIO
     return 0

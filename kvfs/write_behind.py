@@ -39,6 +39,11 @@ sent again after a reply that never came is answered as the first time (its toke
   is deleted with the dead session. Redis unreachable: the queue waits and goes once Redis is
   back; callers that wait for it meanwhile get EIO, as any request that needs Redis does; an
   unmount that cannot send it leaves the session and its journal to the reaper.
+- A host only stalled past its session's TTL is reaped as a dead one, its journal applied.
+  Its batches' tokens are the sequence numbers of their last changes, the reaper's too, so
+  when it wakes Redis answers the changes the reaper took TAKEN, applying the rest; this
+  host reads those records again from Redis (`_send`), journals anew once it has rejoined
+  (`rejournal`), and goes on.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_SECONDS = 8.0  # at unmount, for the queue to reach Redis
 RETRY_SECONDS = 0.5  # after a batch Redis did not take
+# A batch's answer per change (COMMIT_SCRIPT, kvfs/redis_engine.py): found stale, applied, or
+# sent already under this sender's name (by the reaper of this session, from its journal)
+STALE, APPLIED, TAKEN = 0, 1, 2
 
 
 class WriteBehind:
@@ -74,6 +82,7 @@ class WriteBehind:
         self.records: dict[bytes, bytes | None] = {}  # what the queue wrote, newest value
         self._written_by: dict[bytes, int] = {}  # record -> the last change that wrote it
         self._queue: list[_Change] = []
+        self._sending: list[_Change] = []  # the batch on its way: changes _settled + 1 ...
         self._answered = self._settled = 0  # changes answered; of those, in Redis
         self._unsynced = self._synced = 0  # closes that left their data's sync to a batch
         self._hurry = False  # a caller waits: send without gathering
@@ -114,6 +123,17 @@ class WriteBehind:
         with self._cond:
             self._wake_sender()
             self._unsynced += 1
+
+    def rejournal(self) -> None:
+        """(the loop) This host was declared dead while it stalled: its reaper applied the
+        journal and deleted it, and this host's later changes went to segments no longer
+        named. Journal anew, in its staging directory (made again), what Redis may still
+        lack: the batch on its way and the queue."""
+        with self._cond:
+            self.journal.drop_all()
+            self.journal.start(self._settled + 1)
+            for seq, change in enumerate(self._sending + self._queue, self._settled + 1):
+                self.journal.append(seq, change.journaled())
 
     def _wake_sender(self) -> None:
         """(lock held, before adding work) Wake the sender if it waits for work; while it
@@ -170,6 +190,7 @@ class WriteBehind:
                 if not self._waiting():
                     return  # (closing)
                 batch, self._queue = self._queue, []
+                self._sending = batch
                 answered, unsynced, self._hurry = self._answered, self._unsynced, False
             redone = self._send_until_taken(batch, unsynced, b"%d" % answered)
             if redone is None:
@@ -181,7 +202,7 @@ class WriteBehind:
                 for record in sent:
                     if self._written_by.get(record, answered + 1) <= answered:
                         del self._written_by[record], self.records[record]
-                self._settled, self._synced = answered, unsynced
+                self._settled, self._synced, self._sending = answered, unsynced, []
                 self.journal.release(answered)
                 self._cond.notify_all()
             for change in redone:
@@ -232,16 +253,23 @@ class WriteBehind:
             log.error("syncing the volume failed: %s", error)
 
     def _send(self, batch: list[_Change], token: bytes) -> list[_Change]:
-        """One batch: the changes in one script; those that had to be made again (redone or
-        lost)."""
+        """One batch: the changes in one script; those whose records Redis holds otherwise
+        than they were answered: made again (redone or lost), or taken by the host that
+        reaped this session while this one stalled (applied from the journal, or found
+        stale there: not made again)."""
         if not batch:
             return []
-        applied = self.engine.commit_batch(batch, token)
+        answers = self.engine.commit_batch(batch, token)
         self.batches += 1
-        redone = [change for change, ok in zip(batch, applied, strict=True) if not ok]
+        redone = [change for change, ok in zip(batch, answers, strict=True) if ok == STALE]
+        taken = [change for change, ok in zip(batch, answers, strict=True) if ok == TAKEN]
+        if taken:
+            log.warning("%d metadata changes answered ahead of Redis were applied by the host "
+                        "that reaped this session (from its journal) while it stalled",
+                        len(taken))
         for change in redone:
             self._redo(change)
-        return redone
+        return redone + taken
 
     def _redo(self, change: _Change) -> None:
         """A queued change that Redis found stale: made again from what Redis holds."""

@@ -22,7 +22,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import random
 import shlex
 import shutil

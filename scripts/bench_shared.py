@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import queue
 import random
 import re

@@ -222,6 +222,14 @@ class FileState:
         self._reap_wanted = trio.Event()
         self._reaping = trio.Lock()  # held while a worker deletes doomed blobs' data files
 
+    def session_lost(self) -> None:
+        """(the loop) This host was declared dead while it stalled, and its reaper took its
+        staging directory (made again since): spares named there are gone, and so is the
+        write-behind journal."""
+        self.spares.forget()
+        if self.write_behind is not None:
+            self.write_behind.rejournal()
+
     async def _take_blob_ids(self, count: int) -> range:
         return await self.meta_call(self.meta.allocate_blob_ids, count)
 
