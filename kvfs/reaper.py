@@ -16,6 +16,7 @@ hosts of a shared pool, crash recovery and fsck (all blocking: worker threads or
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from collections.abc import Iterable
@@ -76,8 +77,13 @@ def reap_session(meta: MetaStore, data: DataStore, volume: Volume, session: byte
     pending = meta.pending(session)
     if pending and not same_boot:
         meta.drop_files({ino for _, ino in pending})
-    if directory.is_dir():
+    try:
         directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as error:  # (its host was only stalled, and is back staging there)
+        if error.errno != errno.ENOTEMPTY:
+            raise
     volume.forget_mount(session)
     leftovers = Leftovers(published, discarded,
                           [blob_id for blob_id, _ in pending] if same_boot else [],
