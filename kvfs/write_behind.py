@@ -192,10 +192,10 @@ class WriteBehind:
                 batch, self._queue = self._queue, []
                 self._sending = batch
                 answered, unsynced, self._hurry = self._answered, self._unsynced, False
-            redone = self._send_until_taken(batch, unsynced, b"%d" % answered)
-            if redone is None:
+            read_again = self._send_until_taken(batch, unsynced, b"%d" % answered)
+            if read_again is None:
                 return  # (closing, and Redis cannot be reached)
-            for change in redone:  # (the cache, then the queue, stop answering with it)
+            for change in read_again:  # (the cache, then the queue, stop answering with it)
                 self.engine.forget_ahead(change)
             sent = [record for change in batch for record, _ in change.record_writes()]
             with self._cond:  # (held briefly: the loop takes it to queue)
@@ -205,15 +205,16 @@ class WriteBehind:
                 self._settled, self._synced, self._sending = answered, unsynced, []
                 self.journal.release(answered)
                 self._cond.notify_all()
-            for change in redone:
+            for change in read_again:
                 self.engine.unsee_ahead(change)
 
     def _send_until_taken(self, batch: list[_Change], unsynced: int, token: bytes
                           ) -> list[_Change] | None:
         """Sync the volume if closes wait for it, then send `batch` until Redis takes it,
         with the same `token` each time (a try whose reply never came may have been applied:
-        the script then answers as it did, applying nothing twice); the changes redone or
-        lost. None if the mount closes while Redis cannot be reached (the journal keeps them)."""
+        the script then answers as it did, applying nothing twice); the changes whose records
+        are to be read again from Redis (`_send`). None if the mount closes while Redis cannot
+        be reached (the journal keeps them)."""
         while True:
             try:
                 if unsynced > self._synced:

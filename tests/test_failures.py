@@ -217,6 +217,10 @@ def test_failed_publish_keeps_the_committed_blob(kvfs: KvfsMount) -> None:
     died) the close moves it itself and reports EIO, and a retried flush neither recommits
     nor deletes it."""
     root = kvfs.mountpoint
+    # (Stores take the spares' blob ids, one after another: "new" then lands in another shard
+    # than the bystander's. Before the spares, a store takes the first of 256 ids, and the
+    # first spare's id is 256 later: the same shard.)
+    assert wait_for(lambda: stats(root)["spare_staged_files"] > 0)
     (root / "bystander").write_bytes(b"b" * MiB)
     blob_files(kvfs)  # (published: its shard is not broken below)
     payloads = {"new": os.urandom(3 * MiB), "alone": os.urandom(MiB)}
