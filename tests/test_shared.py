@@ -671,9 +671,11 @@ def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
         # the queue first, the lock's create with it: read it now, by an open that changes
         # nothing.)
         os.close(os.open(first.mountpoint / "warm", os.O_WRONLY))
+        # (closed before host 2's create: the create and the close go in one batch)
         fd = os.open(first.mountpoint / lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, b"first")
+        os.close(fd)
         try:
-            os.write(fd, b"first")
             with open(second.mountpoint / lock, "xb") as winner:  # (O_CREAT | O_EXCL)
                 winner.write(b"second")
             break
@@ -681,8 +683,6 @@ def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
             # Host 2 came after host 1's batch (a loaded machine took its 50 ms): host 1
             # made the name first, a fair outcome but not the one under test. Again.
             won_by_first.append(lock)
-        finally:
-            os.close(fd)
     else:
         pytest.fail(f"host 2's create never reached Redis within host 1's 50 ms: {won_by_first}")
     assert wait_for(lambda: stats(first.mountpoint)["write_behind_lost"] == 2, 5)
