@@ -12,9 +12,10 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
   is dead at once (a daemon restarted after a crash recovers its old session's work now).
   One live host claims it (an atomic removal of its record) and cleans up after it: what its
   write-behind journal holds is applied, its staged blobs are published (committed) or
-  deleted (not), the files
-  it wrote whose checksums were still pending are hashed if it ran on this machine's boot and
-  dropped otherwise (their bytes may never have reached the volume), and its holds go.
+  deleted (not), the files it wrote whose checksums were still pending are hashed if it ran
+  on this machine's boot and dropped otherwise (their bytes may never have reached the
+  volume), and its holds go. A host only stalled that finds itself reaped registers again
+  and loses nothing (kvfs/write_behind.py, kvfs/data.py).
 - It holds, in the engine, every blob it has open (`held` records): eviction spares a file
   whose blob any host holds, and a replaced or removed blob's data file is deleted (the
   doomed sweep, every second, on every host) only once no host holds it and no host is still

@@ -510,14 +510,11 @@ class Soak:
         """(shared pool, after a crash and remount) Wait, up to the recovery time, until the
         remount's is the only session left (its staging directory the only one); whether
         it is. Its reaping applies the dead session's write-behind journal."""
-        deadline = time.monotonic() + self.recovery_seconds
-        while True:
+        def one_left() -> bool:
             with os.scandir(self.data / "staging") as entries:
-                if sum(entry.is_dir() for entry in entries) <= 1:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
+                return sum(entry.is_dir() for entry in entries) <= 1
+
+        return wait_for(one_left, self.recovery_seconds)
 
     def mount(self) -> None:
         shared = [*self.meta_options, "--session-ttl", SESSION_TTL] if self.redis else []
