@@ -27,6 +27,7 @@ from kvfs.engine import LoopChanges
 from kvfs.files import FileTable
 from kvfs.files.spares import SpareMode
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
+from kvfs.kernel_inodes import KernelInodes
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics
 from kvfs.mounts import find_mount
@@ -129,7 +130,8 @@ class Daemon:
         self.stats = Stats()
         self.session = Session(self.volume, self.meta, self.data, self.stats,
                                config.mountpoint, config.session_ttl)
-        self.notifier = KernelNotifier()
+        self.kernel = KernelInodes()
+        self.notifier = KernelNotifier(self.kernel)
         self.space = Space(self.meta, config.data, self.stats, self.session,
                            open_inodes=self._open_inodes, evicted=self._evicted,
                            deletions_done=self._deletions_done)
@@ -143,7 +145,7 @@ class Daemon:
         self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
                                self.passthrough, self.session, config.verify,
                                config.prefetch_bytes, self.helper,
-                               config.spares is SpareMode.ON,
+                               config.spares is SpareMode.ON, self.kernel,
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.session.on_lost = self.files.session_lost

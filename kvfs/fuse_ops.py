@@ -30,6 +30,7 @@ from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
+from kvfs.kernel_inodes import KernelInodes
 from kvfs.meta import NAME_MAX, ROOT_INO, Inode, MetaStore, Removed
 from kvfs.missing_names import MissingNames
 from kvfs.offloop import MetaCalls, off_loop
@@ -170,7 +171,8 @@ class KernelNotifier:
     A notification can wait on kernel locks held by requests that only our (single) event loop
     can answer, so it must never be sent from the loop itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: KernelInodes) -> None:
+        self.kernel = kernel  # every kernel inode of a file is told
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._changed_names: dict[tuple[int, bytes], float] = {}  # -> when it was told
         # Inodes with an invalidation queued -> whether attributes alone: a burst of changes
@@ -200,13 +202,27 @@ class KernelNotifier:
     def _send_inode_invalidation(self, ino: int) -> None:
         with self._queued_lock:
             attr_only = self._queued_inodes.pop(ino)
-        pyfuse3.invalidate_inode(ino, attr_only=attr_only)
+        for nodeid in self.kernel.all_of(ino):
+            with contextlib.suppress(OSError):  # (a kernel inode the kernel dropped)
+                pyfuse3.invalidate_inode(nodeid, attr_only=attr_only)
 
     def names_removed(self, removed: Removed) -> None:
         for parent, name in removed.names:
-            self._queue.put(functools.partial(pyfuse3.invalidate_entry, parent, name,
+            self._queue.put(functools.partial(self._send_entry_removal, parent, name,
                                               removed.inode.ino))
             self._listing_changed(parent)
+
+    def _send_entry_removal(self, parent: int, name: bytes, ino: int) -> None:
+        """Tell the kernel the name is gone (and its inode, if that was its last name): the
+        kernel takes it only with the node id its entry holds, which may be any of the
+        file's (kvfs/kernel_inodes.py); else the entry is merely dropped."""
+        for nodeid in self.kernel.all_of(ino):
+            try:
+                pyfuse3.invalidate_entry(parent, name, nodeid)
+                return
+            except OSError:
+                continue
+        pyfuse3.invalidate_entry(parent, name)
 
     def _listing_changed(self, directory: int) -> None:
         """Drop the kernel's cached listing of `directory` (invalidating an entry drops it
@@ -287,6 +303,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.meta_call = MetaCalls(meta.engine)
         self._readdir_fits = READDIR_PAGE  # entries that fill a readdir reply, about
         self.files = files
+        self.kernel = files.kernel
         self.space = space
         self.stats = stats
         self.notifier = notifier
@@ -306,6 +323,9 @@ class KvfsOperations(pyfuse3.Operations):
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
+        # shared maps of opens the daemon serves (direct_io) go through the page cache of
+        # their own kernel inode (kvfs/kernel_inodes.py) rather than failing (patched pyfuse3)
+        self.direct_io_allow_mmap = True
         # lookups and listings of one directory may run at once (the kernel otherwise takes
         # a mutex of the directory's around each, patched pyfuse3): every handler of them
         # reads a snapshot, and the kernel still serializes changes of the directory
@@ -358,17 +378,28 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             log.info("data path: kvfs serves every read (%s)", self.passthrough.refused)
 
-    async def _attributes(self, ino: int) -> Inode:
+    async def _attributes(self, ino: int, nodeid: int | None = None) -> Inode:
         if self.control.owns(ino):
             return self.control.attributes(ino)
-        return await self.files.attributes(ino, cached=True)
+        return await self.files.attributes(ino, cached=True, nodeid=nodeid)
 
     def _entry(self, inode: Inode) -> EntryAttributes:
         """Attributes of a file being written are not cached: its size and times change at
         the close that commits, and a stat right after that close must see them. Nor are
-        those of the control files (`.kvfs/stats` grows and shrinks as counters change)."""
+        those of the control files (`.kvfs/stats` grows and shrinks as counters change).
+        The entry names the file's current kernel inode (kvfs/kernel_inodes.py)."""
         uncached = self.files.has_writer(inode.ino) or self.control.owns(inode.ino)
-        return entry_attributes(inode, 0.0 if uncached else self.caching.entry)
+        entry = entry_attributes(inode, 0.0 if uncached else self.caching.entry)
+        nodeid = self.kernel.nodeid(inode.ino)
+        if nodeid != inode.ino:
+            entry.nodeid = nodeid  # type: ignore[attr-defined]  # kvfs's pyfuse3 patch
+        return entry
+
+    def _told(self, entry: EntryAttributes) -> EntryAttributes:
+        """An entry on its way to the kernel, which counts it as a lookup of its node id."""
+        if entry.st_ino:
+            self.kernel.looked_up(getattr(entry, "nodeid", entry.st_ino))
+        return entry
 
     def _refuse_control(self, *places: tuple[int, bytes]) -> None:
         if any(self.control.is_reserved(parent, name) for parent, name in places):
@@ -392,7 +423,8 @@ class KvfsOperations(pyfuse3.Operations):
         if inode is None:
             self.missing_names.missed_in(parent_inode)
         racing = self.notifier.changed_since(parent_inode, name, started)
-        return self._looked_up(inode, racing, ctx, self.files.prefetcher.looked_up)
+        return self._told(self._looked_up(inode, racing, ctx,
+                                          self.files.prefetcher.looked_up))
 
     def _on_queue_thread(self, handler: Coroutine[Any, Any, Any]) -> bool:
         """A request's handler coroutine, on the io_uring queue thread that took it; False:
@@ -419,7 +451,7 @@ class KvfsOperations(pyfuse3.Operations):
             # The loop may still owe it a RELEASE, which the kernel does not wait for (and
             # which commits the writer's last changes): the answer comes after it there.
             return None
-        return self._looked_up(inode, False, ctx, self._prefetch_from_thread)
+        return self._told(self._looked_up(inode, False, ctx, self._prefetch_from_thread))
 
     def _looked_up(self, inode: Inode | None, racing: bool, ctx: RequestContext,
                    tell_prefetcher: Callable[[Inode, Caller], None]) -> EntryAttributes:
@@ -427,6 +459,11 @@ class KvfsOperations(pyfuse3.Operations):
             self.stats.lookup_misses += 1
             return negative_entry(0.0 if racing else self.caching.negative)
         self.stats.lookup_hits += 1
+        if self.files.has_writer(inode.ino):
+            # An open that follows may not share the writer's kernel inode: each such
+            # lookup names a fresh one (kvfs/kernel_inodes.py), so that racing opens (and
+            # the kernel's retries of refused ones) do not meet on one.
+            self.kernel.renew(inode.ino)
         self.space.note_use(inode.ino)
         tell_prefetcher(inode, caller(ctx))
         entry = self._entry(inode)  # it has a name: not a file unlinked while open
@@ -441,11 +478,12 @@ class KvfsOperations(pyfuse3.Operations):
                 loop.run_sync_soon(prefetcher.looked_up, inode, who)
 
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
-        return self._entry(await self._attributes(inode))
+        return self._entry(await self._attributes(self.kernel.ino(inode), nodeid=inode))
 
     def getattr_now(self, inode: int, ctx: RequestContext) -> EntryAttributes | None:
         """GETATTR on an io_uring queue thread, as `lookup_now`; files open on this host
         (writers' sizes, a RELEASE still to come) go to the loop."""
+        inode = self.kernel.ino(inode)
         if self.meta_call.blocking or self.control.owns(inode) or self.files.is_open(inode):
             return None
         return self._entry(self.meta.get(inode, cached=True))
@@ -454,7 +492,7 @@ class KvfsOperations(pyfuse3.Operations):
         """access(2) and chdir, asked where the kernel leaves permissions to kvfs (a mount
         root alone reaches, see `Daemon.mount`): root may do anything but execute a file
         without an execute bit; another user (not let in there) gets its class's bits."""
-        attributes = await self._attributes(inode)
+        attributes = await self._attributes(self.kernel.ino(inode))
         if ctx.uid == 0:
             return not (mode & os.X_OK and not attributes.is_dir
                         and not attributes.mode & EXECUTE_BITS)
@@ -468,6 +506,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
+        nodeid, inode = inode, self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
         if fields.update_size:
@@ -498,7 +537,7 @@ class KvfsOperations(pyfuse3.Operations):
                                  clear_mode=cleared)
         if fields.update_size:  # the kernel's FUSE code clears setgid by an older rule
             await self.files.clear_privileges(inode, caller(ctx))
-        return self._entry(await self.files.attributes(inode))
+        return self._entry(await self.files.attributes(inode, nodeid=nodeid))
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
@@ -542,10 +581,11 @@ class KvfsOperations(pyfuse3.Operations):
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((new_parent_inode, new_name))
+        inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
         linked = await self.meta_call(self.meta.link, inode, new_parent_inode, new_name)
-        return self._entry(linked)
+        return self._told(self._entry(linked))
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
@@ -553,8 +593,8 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.meta_call(self.meta.readlink, inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for inode, _ in inode_list:
-            self.files.forget(inode)
+        for nodeid, lookups in inode_list:
+            self.files.forget(nodeid, lookups)
 
     # -- directories ---------------------------------------------------------------------
 
@@ -587,6 +627,8 @@ class KvfsOperations(pyfuse3.Operations):
                     # The kernel's buffer is full: the next page is read to its size.
                     self._readdir_fits = sent + READDIR_SLACK
                     return
+                if plus:
+                    self._told(attributes)
                 after = cookie
             if len(entries) < wanted:
                 break
@@ -618,13 +660,15 @@ class KvfsOperations(pyfuse3.Operations):
         self._refuse_control((parent_inode, name))
         inode = await self.meta_call.change(self.meta.make, parent_inode, name,
                                             stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode)
+        opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
+                                       nodeid=inode.ino)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         if self.control.owns(inode):
             return FileInfo(fh=await self.control.open(inode, flags), direct_io=True)
-        opened = await self.files.open(inode, flags, caller(ctx))
+        opened = await self.files.open(self.kernel.ino(inode), flags, caller(ctx),
+                                       nodeid=inode)
         return opened.file_info()
 
     # pyfuse3 sends any buffer (it takes the reply with the buffer protocol); its stub says
@@ -673,22 +717,26 @@ class KvfsOperations(pyfuse3.Operations):
                        ) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
+        inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
         await self.meta_call(self.meta.setxattr, inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
+        inode = self.kernel.ino(inode)
         if not name.startswith(USER_XATTR) or self.control.owns(inode):
             raise FUSEError(errno.ENODATA)
         return await self.meta_call(self.meta.getxattr, inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
+        inode = self.kernel.ino(inode)
         return [] if self.control.owns(inode) else await self.meta_call(self.meta.listxattr,
                                                                         inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
+        inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
         await self.meta_call(self.meta.removexattr, inode, name)

@@ -89,6 +89,7 @@ class Stats:
     opens_daemon: int = 0  # reads served (and verified per request) by kvfs
     write_opens_passthrough: int = 0  # writes by the kernel straight into the staged blob
     write_opens_daemon: int = 0  # writes served by kvfs
+    opens_renewed: int = 0  # opens sent to a fresh kernel inode (kvfs/kernel_inodes.py)
     verified_bytes: int = 0  # read to verify blobs before passing them through
     verifications_skipped: int = 0  # blobs verified before and still wholly in memory
     verifications_joined: int = 0  # opens that waited for a check already under way

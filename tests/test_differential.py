@@ -66,6 +66,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import random
 import shutil
@@ -589,6 +590,54 @@ def write_as_nobody(path: Path, how: str, data: bytes) -> int:
     return int(words[1])
 
 
+MAP_SESSION_LIMIT = 4 * MiB  # files mapped and read whole by `mapped_session`
+map_steps = st.lists(st.tuples(
+    st.integers(0, 4), st.sampled_from(["pread", "map_read", "private_read", "pwrite",
+                                        "map_write"]),
+    st.one_of(st.integers(0, 9000), st.sampled_from([4095, 4096, MiB - 2, MiB])),
+    st.binary(min_size=1, max_size=64)), max_size=8)
+
+
+def map_act(fd: int, kind: str, offset: int, payload: bytes) -> Any:
+    """One read or write of a descriptor, through pread/pwrite or a map of the whole file.
+    A map write stays within the file (past its end a map faults): "beyond" otherwise."""
+    if kind == "pwrite":
+        return os.pwrite(fd, payload, offset)
+    if kind == "pread":
+        return os.pread(fd, len(payload), offset)
+    size = os.fstat(fd).st_size
+    if kind == "map_write" and offset + len(payload) > size:
+        return "beyond"
+    if not size:
+        return "empty"
+    flags = mmap.MAP_PRIVATE if kind == "private_read" else mmap.MAP_SHARED
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if kind == "map_write" else 0)
+    with mmap.mmap(fd, size, flags, prot) as view:
+        if kind == "map_write":
+            view[offset:offset + len(payload)] = payload
+            view.flush()
+            return len(payload)
+        return bytes(view[offset:offset + len(payload)])
+
+
+def describe_open(outcome: tuple[str, Any]) -> tuple[str, Any]:
+    return ("ok", None) if outcome[0] == "ok" else outcome
+
+
+def committed_blob_sums(data: Path) -> dict[Path, str]:
+    """kvfs's committed blob files and a digest of each (read from the volume)."""
+    return {path: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in (data / "blobs").glob("*/*") if path.is_file()}
+
+
+def assert_blobs_kept(data: Path, before: dict[Path, str]) -> None:
+    """No committed blob file is written in place: each is as it was, or gone."""
+    for path, digest in before.items():
+        with contextlib.suppress(FileNotFoundError):
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
+                f"committed blob {path.name} changed in place")
+
+
 # -- the state machine -------------------------------------------------------------------------
 
 
@@ -798,6 +847,78 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         assert len(ours) == len(theirs)
         if wrote:
             self.compare_file(parts)
+
+    @rule(data=st.data(), truncate=st.booleans(), readers=st.tuples(st.integers(0, 2),
+                                                                    st.integers(0, 2)),
+          steps=map_steps, writer_closes_at=st.integers(0, 8))
+    def mapped_session(self, data: st.DataObject, truncate: bool, readers: tuple[int, int],
+                       steps: list[tuple], writer_closes_at: int) -> None:
+        """Several descriptors of one file at once, read and written through maps and
+        pread/pwrite: readers opened before and after one writer. The writer sees the same
+        bytes on both sides (its own writes, by pwrite or a shared map); kvfs's readers see
+        the version committed when they opened (close-to-open: the plain directory's see
+        the writer's bytes at once, so theirs are not compared), by pread and maps alike.
+        No committed blob file of kvfs changes in place at any step."""
+        parts = self.pick_file(data)
+        plain_path, our_path = self.theirs.joinpath(*parts), self.ours.joinpath(*parts)
+        try:
+            if (not stat.S_ISREG(os.stat(plain_path).st_mode)
+                    or os.stat(plain_path).st_size > MAP_SESSION_LIMIT):
+                return
+        except OSError:
+            return
+        committed = plain_path.read_bytes()
+        blobs = committed_blob_sums(self.mount.data)
+        opened: list[tuple[int | None, int | None, bytes | None]] = []  # ours, theirs, snapshot
+
+        def open_both(flags: int, reader: bool) -> None:
+            ours = attempt(os.open, our_path, flags)
+            theirs = attempt(os.open, plain_path, flags)
+            assert_same(f"open {'/'.join(parts)} {flags:o}", describe_open(ours),
+                        describe_open(theirs))
+            if ours[0] == "ok":
+                opened.append((ours[1], theirs[1], committed if reader else None))
+
+        for _ in range(readers[0]):
+            open_both(os.O_RDONLY, reader=True)
+        open_both(os.O_RDWR | (os.O_TRUNC if truncate else 0), reader=False)
+        for _ in range(readers[1]):
+            open_both(os.O_RDONLY, reader=True)
+        try:
+            for index, (target, kind, offset, payload) in enumerate(steps):
+                if index == writer_closes_at:
+                    self.close_writer(opened)
+                    committed = plain_path.read_bytes()
+                    blobs = committed_blob_sums(self.mount.data)
+                if not opened:
+                    break
+                ours, theirs, snapshot = opened[target % len(opened)]
+                if ours is None:
+                    continue
+                what = f"{kind} of descriptor {target % len(opened)} of {'/'.join(parts)}"
+                if snapshot is None:  # the writer: as on the plain directory
+                    assert_same(what, attempt(map_act, ours, kind, offset, payload),
+                                attempt(map_act, theirs, kind, offset, payload))
+                elif kind in ("pread", "map_read", "private_read"):
+                    assert_same(what, attempt(map_act, ours, kind, offset, payload),
+                                ("ok", snapshot[offset:offset + len(payload)]))
+                assert_blobs_kept(self.mount.data, blobs)
+        finally:
+            self.close_writer(opened)
+            for ours, theirs, _ in opened:
+                for fd in (ours, theirs):
+                    if fd is not None:
+                        os.close(fd)
+        assert_blobs_kept(self.mount.data, blobs)
+        self.compare_file(parts)
+
+    @staticmethod
+    def close_writer(opened: list[tuple[int | None, int | None, bytes | None]]) -> None:
+        for index, (ours, theirs, snapshot) in enumerate(opened):
+            if snapshot is None:
+                assert_same("close of the writer", attempt(os.close, ours),
+                            attempt(os.close, theirs))
+                opened[index] = (None, None, b"")
 
     @rule(data=st.data(), size=sizes)
     def truncate(self, data: st.DataObject, size: int) -> None:

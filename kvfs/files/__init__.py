@@ -11,24 +11,25 @@ a write handle fills a private staged blob that its flush (close) commits in one
 transaction. Concurrent writers of one name each have their own blob; the last to close wins.
 Hashing, the metadata commit and publishing run in worker threads: requests keep flowing.
 
+The kernel's inodes (kvfs/kernel_inodes.py, kvfs/files/policy.py): the kernel keeps one page
+cache and at most one backing file per inode and maps every open of it onto them, so one
+kernel inode holds either readers of one version or one writer. An open that cannot join the
+opens on its kernel inode is answered ESTALE after the file got a fresh one, and the kernel
+opens that instead. So every open's maps show what its reads show, and a committed blob is
+never written in place: writers write their staged copy, by write or by map.
+
 Passthrough (where the kernel grants it, kvfs/passthrough.py): a reader's open verifies the
-whole blob, then hands it to the kernel, which serves every read from the blob's own page
-cache without the daemon. All passthrough readers of an inode share one backing file, and the
-kernel accepts no other open of the inode beside them: a writer or a reader of another version
-waits for them to close (EBUSY if they stay), and readers arriving meanwhile wait too. Opens
-the daemon serves (writers, O_DIRECT readers, readers beside a writer) are direct_io.
+whole blob, then hands it to the kernel, which serves every read and map from the blob itself
+without the daemon; a writer alone writes its staged file the same way. Opens the daemon
+serves (O_DIRECT under --odirect daemon, writers that clear setuid/setgid) are direct_io;
+beside readers' backing file they name it too (the kernel requires it; it holds their version).
 
 Without passthrough: the first read of a version bypasses the kernel page cache (direct_io):
 the kernel then sends a whole chunk's requests at once, answered as the volume delivers,
 without filling pages nobody may read again. A version opened again is read through the page
-cache and kept there across opens (keep_cache): committed blobs are immutable, so a chunk
-read by several instances is then served from kernel memory. Handles that could disagree
-with the cached pages bypass it too: writers, and readers opened while a writer is open or
-another handle of the same inode reads a different version.
-
-The kernel keeps one size and one page cache per inode, and a writer's open (O_TRUNC) and
-writes change them for every handle. So a writer of a file that page-cache readers have open
-waits (up to WRITER_WAIT_SECONDS) for them to close, and stat shows the committed size only.
+cache and kept there across opens (keep_cache) while the kernel inode's pages can be of that
+version alone: committed blobs are immutable, so a chunk read by several instances is then
+served from kernel memory. Shared maps of direct_io opens go through the same page cache.
 
 Retiring: a file whose last name went (unlink, rename over it, eviction, lost data) keeps
 serving its open handles; its blob is doomed in the same metadata transaction and its data
@@ -40,14 +41,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from dataclasses import replace
+from typing import NoReturn
 
 import trio
 
-from kvfs.callers_cpu import on_loop, wake
+from kvfs.callers_cpu import on_loop
 from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
+from kvfs.files.policy import shares_kernel_inode
 from kvfs.files.state import (
-    WRITER_WAIT_SECONDS,
     Backing,
     Caller,
     Handle,
@@ -65,26 +68,25 @@ from kvfs.verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
+RETRY_SECONDS = 1.0  # an open refused (ESTALE) this recently by the same thread is its retry
+RETRY_WAIT_SECONDS = 2.0  # how long a retry waits for its kernel inode before a refusal
+REFUSALS_KEPT = 1024
+
 __all__ = ["Caller", "FileTable", "Handle", "Opened"]
 
 
 class FileTable(WritingOps):
-    async def open(self, ino: int, flags: int, caller: Caller, made: Inode | None = None
-                   ) -> Opened:
-        """Open inode `ino`; `made`: the inode this request just made (a CREATE), empty."""
-        self._opening[ino] += 1  # seen by writers deciding whether they are alone
-        try:
-            opened = await self._open_file(ino, flags, caller, made)
-            if flags & os.O_ACCMODE != os.O_RDONLY:
-                return opened
-            return replace(opened, read_only=True)
-        finally:
-            self._opening[ino] -= 1
-            if not self._opening[ino]:
-                del self._opening[ino]
+    async def open(self, ino: int, flags: int, caller: Caller, made: Inode | None = None,
+                   nodeid: int | None = None) -> Opened:
+        """Open inode `ino` on the kernel inode `nodeid` (None: an open of kvfs's own, which
+        the kernel does not see); `made`: the inode this request just made (a CREATE)."""
+        opened = await self._open_file(ino, flags, caller, made, nodeid)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            return opened
+        return replace(opened, read_only=True)
 
-    async def _open_file(self, ino: int, flags: int, caller: Caller, made: Inode | None
-                         ) -> Opened:
+    async def _open_file(self, ino: int, flags: int, caller: Caller, made: Inode | None,
+                         nodeid: int | None) -> Opened:
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         sums = not self._sums_may_wait(writable, flags)
         held = False
@@ -99,19 +101,10 @@ class FileTable(WritingOps):
             inode, blob = await self._content(ino, sums)
         if inode.is_dir:
             raise fail(errno.EISDIR)  # (a directory has no blob: nothing held)
-        # Another process's kernel users (page cache, passthrough) get a short while to close
-        # first, so that two instances storing one chunk at once do not mix; after it, and at
-        # once within one process, the open is served beside them, as on a local disk.
-        others = not self._opened_by_process(ino, caller)
-        if not writable and others and self._backing_conflict(inode.ino, writable, flags, blob):
-            if held and blob is not None:
-                await self.session.release(blob.blob_id)
-            held = False
-            await self._wait_for_kernel_users(inode.ino)
-            inode, blob = await self._content(inode.ino, sums)
         if not held:
             inode, blob = await self._hold(inode, blob, sums)
         try:
+            beside = await self._claim_kernel_inode(inode, nodeid, flags, caller)
             fd = await self._open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
                 assert blob is not None and fd is not None  # a blob: _open_blob opened it
@@ -122,7 +115,12 @@ class FileTable(WritingOps):
             raise
         handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
                         inode.version, blob, fd, caller, bool(flags & os.O_DIRECT),
-                        kill_privs=caller if writable and caller.uid else None)
+                        nodeid=nodeid, kill_privs=caller if writable and caller.uid else None)
+        try:  # (others may have come meanwhile)
+            handle.beside = beside or self._claim_again(inode, nodeid, flags, caller)
+        except BaseException:
+            await self._close_handle(handle)
+            raise
         if made is None:  # (a create's atime is its make's, and its close's commit sets it)
             self.space.note_use(inode.ino)
         if not writable and blob is not None:
@@ -132,12 +130,10 @@ class FileTable(WritingOps):
             self.loads.opened(handle.load_model, blob.size)
         state = self._open.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
-        contended = bool(state.writers_waiting) or any(
-            h.version != inode.version or h.writable for h in state.handles)
         state.handles.add(handle)
         self._handles[handle.fh] = handle
         try:
-            return await self._answer_open(state, handle, flags, contended)
+            return await self._answer_open(state, handle, flags)
         except BaseException:
             del self._handles[handle.fh]
             await on_loop()
@@ -145,15 +141,75 @@ class FileTable(WritingOps):
                 await self._close_handle(handle)
             raise
 
-    async def _answer_open(self, state: OpenInode, handle: Handle, flags: int,
-                           contended: bool) -> Opened:
+    async def _claim_kernel_inode(self, inode: Inode, nodeid: int | None, flags: int,
+                                  caller: Caller) -> bool:
+        """Whether the open can be answered on kernel inode `nodeid`: with the opens on it
+        (`shares_kernel_inode`: False), or beside them, served here (True: a write-only
+        open, which can neither read nor map, retried after a refusal). Else ESTALE, after
+        giving the file a fresh kernel inode unless its current one is free: the kernel then
+        looks the name up again and opens that one (kvfs/kernel_inodes.py). A retry that
+        finds its kernel inode taken again (two retries can meet on one lookup) waits a
+        short while for it before it is refused."""
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if nodeid is None or self._fits(inode, nodeid, writable):
+            return False
+        if self._retrying(caller, inode.ino):
+            if flags & os.O_ACCMODE == os.O_WRONLY:
+                return True
+            state = self._open[inode.ino]
+            with trio.move_on_after(RETRY_WAIT_SECONDS):
+                while not self._fits(inode, nodeid, writable):
+                    await state.closed.wait()
+            if self._fits(inode, nodeid, writable):
+                return False
+        self._refuse(inode, nodeid, caller)
+
+    def _claim_again(self, inode: Inode, nodeid: int | None, flags: int, caller: Caller
+                     ) -> bool:
+        """`_claim_kernel_inode` at the moment the handle joins, without waiting."""
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if nodeid is None or self._fits(inode, nodeid, writable):
+            return False
+        if flags & os.O_ACCMODE == os.O_WRONLY and self._retrying(caller, inode.ino):
+            return True
+        self._refuse(inode, nodeid, caller)
+
+    def _fits(self, inode: Inode, nodeid: int, writable: bool) -> bool:
+        state = self._open.get(inode.ino)
+        on_it = [] if state is None else [h for h in state.handles if h.nodeid == nodeid]
+        return shares_kernel_inode(on_it, writable, inode.version)
+
+    def _retrying(self, caller: Caller, ino: int) -> bool:
+        """Whether the calling thread's open of `ino` was refused (ESTALE) just now: this
+        is the kernel's retry, and a second refusal would reach the caller."""
+        refused = self._refused.get((caller.pid, ino))
+        return refused is not None and time.monotonic() - refused < RETRY_SECONDS
+
+    def _refuse(self, inode: Inode, nodeid: int, caller: Caller) -> NoReturn:
+        state = self._open.get(inode.ino)
+        current = self.kernel.nodeid(inode.ino)
+        if current == nodeid or state is not None and any(
+                h.nodeid == current for h in state.handles):
+            self.kernel.renew(inode.ino)
+        now = time.monotonic()
+        if len(self._refused) > REFUSALS_KEPT:
+            self._refused = {key: when for key, when in self._refused.items()
+                             if now - when < RETRY_SECONDS}
+        self._refused[caller.pid, inode.ino] = now
+        self.stats.opens_renewed += 1
+        raise fail(errno.ESTALE)
+
+    async def _answer_open(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
         """How the kernel is to do the I/O of a handle just opened (and a truncating open's
-        truncate)."""
+        truncate). Its kernel inode holds readers of its version alone, or it alone."""
         inode, writable, blob, fd = state.inode, handle.writable, handle.blob, handle.fd
         if writable and flags & os.O_TRUNC:
             await self.truncate(handle, 0)
             await self._clear_privileges(handle)  # truncation by open is a write: it clears them
-        if self.passthrough.available():
+        if handle.beside:
+            self.stats.write_opens_daemon += 1
+            return self._served(state, handle)
+        if self.passthrough.available() and handle.nodeid is not None:
             if writable:
                 return await self._open_writer(state, handle, flags)
             opened = self._open_for_passthrough(state, handle,
@@ -161,31 +217,41 @@ class FileTable(WritingOps):
             if not handle.backing and blob is not None and blob.pending:
                 handle.blob = await self._summed(inode, blob, fd)  # the daemon checks its reads
             return opened
-        self.stats.opens_daemon += not writable
-        keep = self._cached_version.get(inode.ino) == inode.version
-        first_read = self._read_directly.get(inode.ino) != inode.version
-        if not (writable or keep) and fd is not None:
+        keep = self._keeps_cache(handle)
+        if writable or handle.nodeid is None:
+            return Opened(handle.fh, direct_io=True, keep_cache=keep)
+        self.stats.opens_daemon += 1
+        if not keep and fd is not None:
             self.data.will_read(fd)  # the kernel's pages are not there: reads will come here
-        if writable or contended or (first_read and not keep):
-            if not writable:
-                self._read_directly[inode.ino] = inode.version
-            return Opened(handle.fh, direct_io=True, keep_cache=True)
+        if self._read_directly.get(handle.nodeid) != inode.version and not keep:
+            self._read_directly[handle.nodeid] = inode.version
+            return Opened(handle.fh, direct_io=True, keep_cache=keep)
         handle.page_cache = True
-        self._cached_version[inode.ino] = inode.version
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
+
+    def _keeps_cache(self, handle: Handle) -> bool:
+        """Whether the kernel may keep the pages it holds of the handle's kernel inode: only
+        if they can be of no other version than the one the handle reads (maps read those
+        pages, also of direct_io opens). Writers' pages are their own, never kept."""
+        if handle.nodeid is None:
+            return True
+        if handle.writable:
+            self._cached_version.pop(handle.nodeid, None)
+            self._read_directly.pop(handle.nodeid, None)
+            return False
+        keep = self._cached_version.get(handle.nodeid) == handle.version
+        self._cached_version[handle.nodeid] = handle.version
+        return keep
 
     async def _content_to_change(self, ino: int, flags: int, caller: Caller, sums: bool
                                  ) -> tuple[Inode, BlobInfo | None]:
-        """The content a writer (or a truncating open) starts from: read once other
-        processes' kernel users had their while to close (`open`)."""
+        """The content a writer (or a truncating open) starts from."""
         inode = await self.meta_call(self.meta.get, ino)
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if flags & os.O_TRUNC and not writable:  # O_RDONLY|O_TRUNC truncates, as on Linux
             await self.truncate_path(inode, 0, caller)
-        if writable and not self._opened_by_process(ino, caller):
-            await self._wait_for_kernel_users(ino)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since.
         return await self._content(ino, sums)
@@ -259,18 +325,6 @@ class FileTable(WritingOps):
         """Readers of a committed blob, O_DIRECT ones too unless --odirect daemon."""
         return not writable and blob is not None and self.passthrough.takes(flags)
 
-    def _backing_conflict(self, ino: int, writable: bool, flags: int,
-                          blob: BlobInfo | None) -> bool:
-        """The kernel keeps one backing file per inode and then accepts only opens that use
-        it: a writer, or a reader of another version, must wait for those readers. So must
-        a new reader while a writer waits: the readers drain instead of starving it."""
-        state = self._open.get(ino)
-        if state is None or state.backing is None:
-            return False
-        return not (self._passes_through(writable, flags, blob) and blob is not None
-                    and state.backing.blob_id == blob.blob_id and not state.backing.writable
-                    and not state.writers_waiting)
-
     async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int, direct: bool) -> None:
         """Check every block before the kernel may read the blob, unless the mount's verify
         mode says an earlier check still holds (EIO and the file dropped if one is bad). A
@@ -292,19 +346,24 @@ class FileTable(WritingOps):
             raise
 
     def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
-        """With passthrough on the mount: readers share the inode's backing file; the rest
-        (O_DIRECT readers, readers while a writer is open) are served by the daemon, always
-        direct_io, since the kernel does not mix page-cache and passthrough opens."""
-        others_served_here = any(not h.backing for h in state.handles if h is not handle)
-        if (wanted and handle.blob is not None and not others_served_here
-                and not state.writers_waiting):
-            backing = state.backing
+        """With passthrough on the mount: readers of one version on one kernel inode share
+        its backing file; the rest (O_DIRECT readers under --odirect daemon, readers beside
+        those) are served by the daemon, always direct_io, since the kernel does not mix
+        page-cache and passthrough opens of an inode."""
+        nodeid = handle.nodeid
+        assert nodeid is not None  # (kvfs's own opens are served: `_answer_open`)
+        others_served_here = any(not h.backing for h in state.handles
+                                 if h is not handle and h.nodeid == nodeid)
+        if wanted and handle.blob is not None and not others_served_here:
+            backing = state.backings.get(nodeid)
             if backing is None:
                 backing_id = self.passthrough.register(handle.fd) if handle.fd else None
                 if backing_id is not None:
-                    backing = state.backing = Backing(handle.blob.blob_id, backing_id, 0)
-            if (backing is not None and backing.blob_id == handle.blob.blob_id
-                    and not backing.writable):  # (a writer's file: it may write on)
+                    backing = state.backings[nodeid] = Backing(handle.blob.blob_id,
+                                                               backing_id, 0)
+            if backing is not None:
+                # (`shares_kernel_inode`: the backing file is this version's blob)
+                assert backing.blob_id == handle.blob.blob_id and not backing.writable
                 backing.users += 1
                 handle.backing = True
                 self.stats.opens_passthrough += 1
@@ -314,26 +373,32 @@ class FileTable(WritingOps):
         return self._served(state, handle)
 
     def _served(self, state: OpenInode, handle: Handle) -> Opened:
-        """An open the daemon serves (direct_io). Beside a backing file of the inode it names
-        that file too: the kernel accepts only passthrough opens of an inode that has one,
-        and direct_io still sends this open's reads and writes here."""
-        if state.backing is None:
-            return Opened(handle.fh, direct_io=True, keep_cache=True)
-        state.backing.users += 1
+        """An open the daemon serves (direct_io). Beside a backing file of its kernel inode
+        it names that file too: the kernel accepts only passthrough opens of an inode that
+        has one (its maps then map that file, which holds the same version), and direct_io
+        still sends this open's reads here."""
+        assert handle.nodeid is not None
+        backing = state.backings.get(handle.nodeid)
+        if backing is None:
+            return Opened(handle.fh, direct_io=True, keep_cache=self._keeps_cache(handle))
+        backing.users += 1
         handle.shares_backing = True
         return Opened(handle.fh, direct_io=True, keep_cache=False,
-                      backing_id=state.backing.backing_id)
+                      backing_id=backing.backing_id)
 
     async def _open_writer(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
-        """A writer alone on its file (a maker like LMCache's `<key>.tmp`, a rewriter, an
-        appender; O_DIRECT or not) writes through the kernel straight into its staged file,
-        in room reserved up front; a rewrite's staged file starts as a copy of the committed
-        content (copy_file_range: the volume's reflink where it has one). Writers beside
-        other opens of the file are served here, direct_io, each write accounted and hashed
-        as it comes: the kernel takes no other open of an inode beside a writer's backing
-        file, so a reader arriving meanwhile waits for it or is served here too."""
+        """A write-only writer, alone on its kernel inode (`shares_kernel_inode`): a maker
+        like LMCache's `<key>.tmp`, a rewriter, an appender, O_DIRECT or not, writes through
+        the kernel straight into its staged file, in room reserved up front; a rewrite's
+        staged file starts as a copy of the committed content (copy_file_range: the
+        volume's reflink where it has one). The rest are served here, direct_io, each write
+        accounted and hashed as it comes: read-write opens (the only ones that can map the
+        file for writing, and a map outlives the close that commits: through the kernel,
+        its later stores would land in the committed blob; here they make a new version),
+        writers whose writes must clear setuid/setgid, O_DIRECT under --odirect daemon."""
         inode = state.inode
-        if (not self._alone(state) or not self.passthrough.takes(flags)
+        assert handle.nodeid is not None
+        if (flags & os.O_ACCMODE == os.O_RDWR or not self.passthrough.takes(flags)
                 or handle.kill_privs and privileges_to_clear(inode, handle.kill_privs)):
             return self._served_writer(state, handle)  # (a write clears setuid/gid: seen here)
         staged = await self._staged(handle)
@@ -342,63 +407,26 @@ class FileTable(WritingOps):
         except FsError:  # no room for a copy now: served here, copied when a write needs it
             return self._served_writer(state, handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
-        # Opens that came meanwhile were answered without a backing file, and the kernel
-        # fails (EIO) any such open of an inode that has one: with company, served here.
-        alone = self._alone(state)
-        backing_id = self.passthrough.register(staged.fd) if handle.reserved and alone else None
+        # A write-only retry may have joined meanwhile without a backing file to name (kvfs
+        # served it), and the kernel fails any such open of an inode that has one: then
+        # this writer is served here too.
+        alone = not any(other is not handle and other.nodeid == handle.nodeid
+                        for other in state.handles)
+        backing_id = (self.passthrough.register(staged.fd) if handle.reserved and alone
+                      else None)
         if backing_id is None:
             self.space.kernel_writer_closed(handle.reserved)
             handle.reserved = 0
             return self._served_writer(state, handle)
-        state.backing = Backing(staged.blob_id, backing_id, writable=True)
+        state.backings[handle.nodeid] = Backing(staged.blob_id, backing_id, writable=True)
         handle.backing = True
         handle.changed_at = next(self._clock)
         self.stats.write_opens_passthrough += 1
         return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
 
-    def _alone(self, state: OpenInode) -> bool:
-        """Whether the handle being opened is the inode's only one, opened or opening."""
-        return (len(state.handles) == 1 and not state.writers_waiting
-                and self._opening[state.inode.ino] == 1)
-
     def _served_writer(self, state: OpenInode, handle: Handle) -> Opened:
         self.stats.write_opens_daemon += 1
         return self._served(state, handle)
-
-    def _opened_by_process(self, ino: int, caller: Caller) -> bool:
-        """Whether the caller's process (any of its threads) has `ino` open already."""
-        state = self._open.get(ino)
-        if state is None or not state.handles:
-            return False
-        process = caller.process()
-        return any(handle.opener.process() == process for handle in state.handles)
-
-    async def _wait_for_kernel_users(self, ino: int) -> None:
-        """Let readers the kernel serves itself (page cache, passthrough) finish before a
-        writer or a reader of another version changes the kernel's view of `ino`."""
-        if not self._kernel_users(ino):
-            return
-        await on_loop()
-        state = self._open.get(ino)
-        if state is None or not state.kernel_users():  # (gone meanwhile)
-            return
-        state.writers_waiting += 1
-        try:
-            with trio.move_on_after(WRITER_WAIT_SECONDS):
-                while state.kernel_users():
-                    if state.kernel_users_gone is None:
-                        state.kernel_users_gone = trio.Event()
-                    await state.kernel_users_gone.wait()
-            if state.kernel_users():
-                log.info("%r: kernel readers still open after %.0f s", state.inode.name,
-                         WRITER_WAIT_SECONDS)
-        finally:
-            state.writers_waiting -= 1
-            self._forget_if_unused(state)
-
-    def _kernel_users(self, ino: int) -> bool:
-        state = self._open.get(ino)
-        return state is not None and state.kernel_users()
 
     async def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
         if blob is None:
@@ -415,36 +443,41 @@ class FileTable(WritingOps):
         handle = self._handles.pop(fh)
         try:
             if handle.writable:  # (a reader has nothing to commit)
-                await self.flush(handle)
+                await self.flush(handle, closing=False)
         finally:
             await self._close_handle(handle)
 
     async def _close_handle(self, handle: Handle) -> None:
         """Let go of what a handle holds (its flush is done, or it never opened)."""
         self._discard_staged(handle)
+        if handle.backing and handle.writable:
+            self._writer_closed()
         self.space.kernel_writer_closed(handle.reserved)
         if handle.load_model is not None:
             self.loads.closed(handle.load_model)
         if handle.fd is not None:
             os.close(handle.fd)
-        state = self._open[handle.ino]
-        state.handles.discard(handle)
-        if (handle.backing or handle.shares_backing) and state.backing is not None:
-            state.backing.users -= 1
-            if not state.backing.users:
-                self.passthrough.unregister(state.backing.backing_id)
-                state.backing = None
-        if state.kernel_users_gone is not None and not state.kernel_users():
-            wake(state.kernel_users_gone)
-            state.kernel_users_gone = None
-        self._forget_if_unused(state)
+        state = self._open.get(handle.ino)
+        if state is not None and handle in state.handles:
+            state.handles.discard(handle)
+            state.closed.set()
+            state.closed = trio.Event()
+            nodeid = handle.nodeid
+            backing = state.backings.get(nodeid) if nodeid is not None else None
+            if (handle.backing or handle.shares_backing) and backing is not None:
+                backing.users -= 1
+                if not backing.users:
+                    self.passthrough.unregister(backing.backing_id)
+                    del state.backings[nodeid]  # type: ignore[arg-type]  # (a backing: not None)
+            self._forget_if_unused(state)
         if handle.blob is not None:
             await self.session.release(handle.blob.blob_id)
 
-    def forget(self, ino: int) -> None:
-        """The kernel dropped the inode, and with it any cached pages."""
-        self._cached_version.pop(ino, None)
-        self._read_directly.pop(ino, None)
+    def forget(self, nodeid: int, lookups: int) -> None:
+        """The kernel dropped its inode `nodeid`, and with it any cached pages."""
+        self._cached_version.pop(nodeid, None)
+        self._read_directly.pop(nodeid, None)
+        self.kernel.forget(nodeid, lookups)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         handle = self.handle(fh)

@@ -34,8 +34,9 @@ class RetiringOps(FileState):
         if state is not None:
             state.inode = inode
             state.unlinked = True
-        self._cached_version.pop(inode.ino, None)
-        self._read_directly.pop(inode.ino, None)
+        for nodeid in self.kernel.all_of(inode.ino):
+            self._cached_version.pop(nodeid, None)
+            self._read_directly.pop(nodeid, None)
         self.free_blob(inode.blob)
 
     def free_blob(self, blob_id: int) -> None:
@@ -49,8 +50,18 @@ class RetiringOps(FileState):
         if blob_id in self._publishing:
             self._doomed_when_published.add(blob_id)
             return
+        if self._kernel_writes_into(blob_id):  # its writer stages it again from its name
+            self._doomed_when_closed.add(blob_id)
+            return
         self._doomed.append(blob_id)
         wake(self._reap_wanted)
+
+    def _writer_closed(self) -> None:
+        """Doom what waited for a kernel writer that no longer writes into it."""
+        for blob_id in [blob_id for blob_id in self._doomed_when_closed
+                        if not self._kernel_writes_into(blob_id)]:
+            self._doomed_when_closed.discard(blob_id)
+            self.free_blob(blob_id)
 
     def _publishing_over(self, blob_id: int) -> None:
         self._publishing.discard(blob_id)
@@ -89,8 +100,9 @@ class RetiringOps(FileState):
 
     def reap_remaining(self) -> None:
         """At unmount: delete what the reaper had not reached yet."""
-        doomed = self._doomed + sorted(self._doomed_when_published)
-        self._doomed, self._doomed_when_published = [], set()
+        doomed = (self._doomed + sorted(self._doomed_when_published)
+                  + sorted(self._doomed_when_closed))
+        self._doomed, self._doomed_when_published, self._doomed_when_closed = [], set(), set()
         self._reap(doomed)
 
     async def evicted(self, removed: list[Removed]) -> None:
@@ -105,10 +117,21 @@ class RetiringOps(FileState):
     def _reap(self, doomed: list[int]) -> None:
         reap_doomed(self.meta, self.data, doomed)
 
+    def _kernel_writes_into(self, blob_id: int) -> bool:
+        return any(handle.backing and handle.staged is not None
+                   and handle.staged.blob_id == blob_id for handle in self._handles.values())
+
     async def _drop_damaged(self, inode: Inode, reason: str,
                             blob: BlobInfo | None = None) -> None:
-        """Never serve bad bytes: count, log and drop the file so readers see a miss."""
+        """Never serve bad bytes: count, log and drop the file so readers see a miss. Not
+        a blob a write-only writer on this host still writes through the kernel after a
+        close committed it (its duplicate descriptor or a forked copy wrote on): its next
+        close commits what it holds (the caller still answers EIO)."""
         await on_loop()
+        if blob is not None and self._kernel_writes_into(blob.blob_id):
+            log.warning("%r (ino %d): blob %016x is being written again by its writer, not "
+                        "dropped: %s", inode.name, inode.ino, blob.blob_id, reason)
+            return
         self.stats.checksum_errors += 1
         log.error("dropping %r (ino %d): %s", inode.name, inode.ino, reason)
         try:

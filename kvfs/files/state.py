@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import stat
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -25,6 +24,7 @@ from kvfs.data import (
     allocated_bytes,
 )
 from kvfs.files.spares import SpareFiles
+from kvfs.kernel_inodes import KernelInodes
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls, QuickLock
@@ -40,7 +40,6 @@ from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
-WRITER_WAIT_SECONDS = 2.0
 BLOB_ID_BATCH = 256
 T = TypeVar("T")
 
@@ -56,14 +55,17 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     opener: Caller  # who opened it
     direct: bool  # opened O_DIRECT: what the kernel writes for it bypasses the page cache
+    nodeid: int | None = None  # its kernel inode (kvfs/kernel_inodes.py); None: kvfs's own
     staged: StagedFile | None = None
     page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
     backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
-    shares_backing: bool = False  # served here, naming the inode's backing file to the kernel
+    shares_backing: bool = False  # served here, naming its kernel inode's backing file
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: QuickLock = field(default_factory=QuickLock)  # one change or commit at a time
     changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
+    committed: bool = False  # a close of this writer committed its content
+    beside: bool = False  # a write-only retry served beside opens it cannot share with
     load_model: str | None = None  # a reader of committed content: whose load it is
 
     def own_size(self) -> tuple[int, int] | None:
@@ -80,8 +82,8 @@ class Handle:
 
 @dataclass(eq=False)
 class Backing:
-    """The one backing file the kernel has for an inode while passthrough handles use it:
-    a committed blob that readers share, or the staged file of one writer."""
+    """The one backing file the kernel has for one of its inodes while passthrough handles
+    use it: a committed blob that readers share, or the staged file of one writer."""
 
     blob_id: int
     backing_id: int
@@ -93,14 +95,9 @@ class Backing:
 class OpenInode:
     inode: Inode
     handles: set[Handle] = field(default_factory=set)
-    backing: Backing | None = None
+    backings: dict[int, Backing] = field(default_factory=dict)  # per kernel inode (node id)
     unlinked: bool = False
-    writers_waiting: int = 0
-    kernel_users_gone: trio.Event | None = None  # set when the last kernel reader closes
-
-    def kernel_users(self) -> bool:
-        """Handles whose I/O the kernel does without us (page cache, passthrough)."""
-        return any(handle.page_cache or handle.backing for handle in self.handles)
+    closed: trio.Event = field(default_factory=trio.Event)  # set when a handle closes
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +171,11 @@ class FileState:
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
                  verify: VerifyMode, prefetch_budget: int, helper: VolumeHelper | None,
-                 spares: bool,
+                 spares: bool, kernel: KernelInodes,
                  on_attributes_changed: Callable[[int], None],
                  on_removed: Callable[[Removed], None]) -> None:
         self.meta = meta
+        self.kernel = kernel  # which of the kernel's inodes each open is on
         self.meta_call = MetaCalls(meta.engine)
         self.data = data
         self.cache = cache
@@ -203,18 +201,23 @@ class FileState:
         self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
         self.on_removed = on_removed  # tell the kernel names vanished (eviction, lost data)
         self._handles: dict[int, Handle] = {}
+        self._refused: dict[tuple[int, int], float] = {}  # (thread, ino) -> when (ESTALE)
         self._open: dict[int, OpenInode] = {}
-        self._cached_version: dict[int, int] = {}  # what the kernel page cache may hold
-        self._read_directly: dict[int, int] = {}  # versions read once, bypassing the cache
+        # per kernel inode (node id): the one version its page cache may hold, and the
+        # version read once bypassing it
+        self._cached_version: dict[int, int] = {}
+        self._read_directly: dict[int, int] = {}
         self._next_fh = count(1)
         self._clock = count(1)  # orders writers' changes: the latest one's size is shown
-        self._opening: Counter[int] = Counter()  # opens under way, per inode
         self._blob_ids: range = range(0)
         self._doomed: list[int] = []  # blobs whose data files the reaper deletes
         # Committed blobs a flush is still moving into blobs/, and those of them replaced
         # meanwhile: deleted only once their publishing is over.
         self._publishing: set[int] = set()
         self._doomed_when_published: set[int] = set()
+        # Committed blobs a passthrough writer still writes into (after a close of one of
+        # its descriptors): deleted once it is done with them.
+        self._doomed_when_closed: set[int] = set()
         # Blobs a close committed and left to the publisher (the volume helper's, or on a
         # syncing store a worker's), each with what it sets when done.
         self._published_later: dict[int, trio.Event] = {}
@@ -233,12 +236,13 @@ class FileState:
     async def _take_blob_ids(self, count: int) -> range:
         return await self.meta_call(self.meta.allocate_blob_ids, count)
 
-    async def attributes(self, ino: int, cached: bool = False) -> Inode:
+    async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None
+                         ) -> Inode:
         """The committed inode (also of files unlinked while open), with the size of what
-        its latest writer on this host wrote: the kernel keeps one size per inode, and a
-        writer's fstat and SEEK_END must see its own writes (other handles still read the
-        version they opened). `cached`: for the kernel's attribute cache (`Engine.snapshot`).
-        """
+        its latest writer on this host wrote (on kernel inode `nodeid`, if given: the
+        kernel keeps one size per inode, and a writer's fstat and SEEK_END must see its own
+        writes, while readers on their kernel inode see the version they opened). `cached`:
+        for the kernel's attribute cache (`Engine.snapshot`)."""
         state = self._open.get(ino)
         if state and state.unlinked:
             inode = state.inode
@@ -250,7 +254,8 @@ class FileState:
         if state is None:
             return inode
         sizes = [(handle.changed_at, own) for handle in state.handles
-                 if handle.writable and (own := handle.own_size()) is not None]
+                 if handle.writable and (nodeid is None or handle.nodeid == nodeid)
+                 and (own := handle.own_size()) is not None]
         if not sizes:
             return inode
         size, allocated = max(sizes)[1]
@@ -273,10 +278,8 @@ class FileState:
         return handle
 
     def _forget_if_unused(self, state: OpenInode) -> None:
-        """Drop an inode's open state once nothing holds it: no handle, and nobody waiting
-        on it (a new state would not know they wait, and readers would not let them in)."""
-        if (not state.handles and not state.writers_waiting
-                and self._open.get(state.inode.ino) is state):
+        """Drop an inode's open state once no handle holds it."""
+        if not state.handles and self._open.get(state.inode.ino) is state:
             del self._open[state.inode.ino]
 
     def _is_unlinked(self, ino: int) -> bool:

@@ -153,11 +153,15 @@ class WritingOps(RetiringOps):
         finally:
             self.space.stage(staged.physical - before)
 
-    async def flush(self, handle: Handle) -> bool:
+    async def flush(self, handle: Handle, closing: bool = True) -> bool:
         """Commit what this handle wrote: one metadata transaction makes it visible whole.
         Can be retried after any failure: a committed blob is never committed again nor
-        deleted. Returns whether anything was committed."""
+        deleted. Returns whether anything was committed. `closing`: a close (FLUSH), after
+        which the content is this writer's if another's commit had replaced it; not the
+        release that follows the last one."""
         async with handle.lock:
+            if closing and self._overtaken(handle):
+                await self._stage_again(handle)
             staged = handle.staged
             if staged is None:
                 return False
@@ -179,6 +183,21 @@ class WritingOps(RetiringOps):
                 staged.close()
                 handle.staged = None
             return True
+
+    def _overtaken(self, handle: Handle) -> bool:
+        """Whether another writer committed over what this one committed at an earlier
+        close (of a duplicate of its descriptor, such as the one Python's mmap holds): its
+        close commits its content again, so that the last writer to close wins, whole."""
+        state = self._open.get(handle.ino)
+        return (handle.committed and state is not None and not state.unlinked
+                and state.inode.version != handle.version)
+
+    async def _stage_again(self, handle: Handle) -> None:
+        """Stage the content this handle last committed again, under a new blob id."""
+        staged = await self._staged(handle, fresh=True)
+        if not handle.backing:
+            await self._copy_base(staged)
+            staged.changed = True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
         # Marked and held by the commit itself: another writer's commit (on any host) may
@@ -212,6 +231,7 @@ class WritingOps(RetiringOps):
         if old_fd is not None:
             os.close(old_fd)
         previous, handle.blob, handle.version = handle.blob, blob, inode.version
+        handle.committed = True
         if previous is not None:
             await self.session.release(previous.blob_id)
         self._open[handle.ino].inode = inode
