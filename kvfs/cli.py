@@ -17,6 +17,7 @@ from humanfriendly import format_size
 from kvfs import daemon, fsck, prewarm, statview
 from kvfs.daemon import MountConfig
 from kvfs.files.spares import SpareMode
+from kvfs.fuse import binding
 from kvfs.meta import PIN_XATTR
 from kvfs.mounts import find_mount
 from kvfs.verify import VerifyMode
@@ -48,20 +49,6 @@ def size(text: str) -> int:
     value = size_or_zero(text)
     if value == 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def cpu_latency(text: str) -> int | None:
-    """A wake-up limit in microseconds (0 or more), or off."""
-    if text == "off":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of microseconds or off: {text!r}") \
-            from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"microseconds must not be negative: {text!r}")
     return value
 
 
@@ -115,14 +102,6 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--passthrough", choices=("auto", "off"), default="auto",
                         help="kernel FUSE passthrough where it is available (default auto)")
-    parser.add_argument("--io-uring", choices=("on", "off"), default="off",
-                        help="experimental: FUSE over io_uring where the kernel offers it "
-                             "(fuse module parameter enable_uring), requests answered on "
-                             "the caller's CPU (default off: /dev/fuse)")
-    parser.add_argument("--cpu-latency", type=cpu_latency, default=None, metavar="US|off",
-                        help="while requests flow, keep every CPU's wake-up latency under US "
-                             "microseconds (the kernel's CPU latency QoS; 0: idle CPUs poll "
-                             "instead of sleeping): faster requests for power (default off)")
     parser.add_argument("--odirect", choices=("kernel", "daemon"), default=MountConfig.odirect,
                         help="kernel: O_DIRECT opens pass through too, with the volume's "
                              "alignment rules, as on a plain directory; daemon: kvfs serves "
@@ -159,12 +138,15 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
-        prefetch_bytes=args.prefetch, io_uring=args.io_uring == "on",
-        cpu_latency_us=args.cpu_latency, spares=args.spares, write_behind_ms=args.write_behind,
+        prefetch_bytes=args.prefetch, spares=args.spares, write_behind_ms=args.write_behind,
     )
     if config.write_behind_ms and not config.meta_url:
         raise CliError("--write-behind is for a shared pool (--meta): the embedded engine "
                        "already answers changes from memory")
+    try:
+        binding.require()
+    except binding.BindingError as error:
+        raise CliError(str(error)) from None
     daemon.run(config)
 
 

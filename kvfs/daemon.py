@@ -20,9 +20,7 @@ import trio
 
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
-from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import snapshot
-from kvfs.cpu_latency import CpuLatency
 from kvfs.engine import LoopChanges
 from kvfs.files import FileTable
 from kvfs.files.spares import SpareMode
@@ -72,9 +70,7 @@ class MountConfig:
     verify: VerifyMode = VerifyMode.ONCE  # ALWAYS: the daemon serves every byte
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
-    io_uring: bool = False  # FUSE over io_uring where the kernel offers it (--io-uring on)
     spares: SpareMode = SpareMode.ON  # staged files made ahead (kvfs/files/spares.py)
-    cpu_latency_us: int | None = None  # CPU wake-up limit while requests flow; None: none
     write_behind_ms: float = 0  # a shared pool's changes answered ahead, sent every MS; 0: off
 
 
@@ -155,14 +151,9 @@ class Daemon:
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
-        self.cpu_latency = (None if config.cpu_latency_us is None
-                            else CpuLatency(config.cpu_latency_us, self.stats))
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier, self.passthrough, config.io_uring)
-        self.on_queue_threads = hasattr(self.operations, "handle_now")  # (io_uring, LMDB)
-        if self.on_queue_threads:
-            self.files.publish_later = False
+                                         self.notifier, self.passthrough)
 
     def _staged(self) -> int:
         return self.space.staged
@@ -187,8 +178,6 @@ class Daemon:
             # `KvfsOperations.access` answers access(2) and chdir.
             options.discard("default_permissions")
         options |= {f"fsname=kvfs:{self.config.data}", "subtype=kvfs"}
-        if self.operations.enable_io_uring:
-            options.add("io_uring")  # used where the kernel offers it too
         if self.config.allow_other:
             options.add("allow_other")
         if self.config.debug:
@@ -234,16 +223,8 @@ class Daemon:
             nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)
             nursery.start_soon(self.session.send_releases)
-            if self.cpu_latency is not None:
-                nursery.start_soon(self.cpu_latency.run)
             self.cache.start(nursery)
-            if self.on_queue_threads:
-                REQUEST_LOCK.start(nursery)
-            try:
-                await pyfuse3.main()
-            finally:
-                if self.on_queue_threads:
-                    REQUEST_LOCK.stop()
+            await pyfuse3.main()
             nursery.cancel_scope.cancel()
 
     async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
@@ -260,8 +241,6 @@ class Daemon:
     def close(self) -> None:
         self.notifier.stop()  # before the session it notifies goes
         pyfuse3.close(unmount=True)
-        if self.cpu_latency is not None:
-            self.cpu_latency.close()
         try:
             self.meta.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()

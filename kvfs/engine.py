@@ -123,9 +123,6 @@ class Txn(Protocol):
 class Engine(Protocol):
     shared: bool  # whether other hosts use the same metadata at the same time
     conflicts: int  # changes run again because another change got in their way
-    # Called (from any thread) after each change this engine makes, or hears another host
-    # made: what was read before may be stale (the FUSE layer's recorded listing ends).
-    on_change: Callable[[], None]
 
     def snapshot(self, cached: bool = False) -> AbstractContextManager[Txn]:
         """Reads of one moment (a shared engine: of Redis now). `cached`: names and
@@ -173,12 +170,6 @@ class Engine(Protocol):
         round trip raises RoundTripNeeded instead: the loop tries such reads itself first."""
         ...
 
-    def track_names(self, tracker: DirectoryTracker) -> None:
-        """Tell `tracker` the names the directories it knows complete gain and lose (the
-        embedded engine: every directory made from now on; a shared engine: those its
-        record cache keeps complete)."""
-        ...
-
     def close(self) -> None: ...
 
 
@@ -219,36 +210,6 @@ class RoundTripNeeded(Exception):
 class ChangesPending(Exception):
     """The engine refused room for growth, but holds answered changes it has not applied
     yet (removals among them may free room): wait for them off the loop, then try again."""
-
-
-class KeyTracker(Protocol):
-    """Told what each change of the embedded engine does to one family's keys
-    (`LmdbEngine.track_names`), in the thread that made the change, under the engine's lock."""
-
-    def adding(self, keys: list[bytes], emptied: list[bytes]) -> None:
-        """`keys` are about to exist, and no key starts with any of the 8-byte `emptied`
-        prefixes (`Txn.known_empty`): called before the change is visible, so that a
-        listener never lags behind a read."""
-        ...
-
-    def removed(self, keys: list[bytes]) -> None:
-        """`keys` no longer exist: called once the change is visible."""
-        ...
-
-
-class DirectoryTracker(KeyTracker, Protocol):
-    """A `KeyTracker` of `dentry` keys fed by a shared pool's record cache
-    (`RecordCache.track`), which keeps only some directories complete: `adding` reports the
-    names a complete directory gains (`emptied`: directories that became complete, empty),
-    `removed` those it loses."""
-
-    def incomplete(self, parents: list[bytes]) -> None:
-        """These 8-byte directory prefixes are no longer complete."""
-        ...
-
-    def reset(self) -> None:
-        """No directory is complete any more (other hosts' changes may have been missed)."""
-        ...
 
 
 @dataclass
@@ -365,7 +326,6 @@ class _LayeredTxn:
         self._visible = visible
         self._floor = floor  # versions up to this one are in LMDB already
         self.writes = writes
-        self.emptied: list[tuple[str, bytes]] = []  # prefixes it says no key has (`known_empty`)
 
     def _pending(self, family: str, key: bytes) -> tuple[Value, int]:
         """(value, delta) that the layers (and this change) add to LMDB's record."""
@@ -391,24 +351,6 @@ class _LayeredTxn:
                 if value is not KEEP:
                     return value, delta
         return KEEP, delta
-
-    def keys_changed(self, family: str) -> tuple[list[bytes], list[bytes]]:
-        """(keys of `family` this change makes exist, keys it removes): its writes against
-        what the view held before them."""
-        made: list[bytes] = []
-        removed: list[bytes] = []
-        for key, (value, _) in (self.writes or {}).get(family, {}).items():
-            if value is KEEP:
-                continue
-            before, delta = self._layered_value(family, key)
-            if isinstance(before, EllipsisType):
-                before = self._txn.get(key, db=self._dbs[family])
-            existed = _layered_on(before, KEEP, delta) is not None
-            if value is None and existed:
-                removed.append(key)
-            elif value is not None and not existed:
-                made.append(key)
-        return made, removed
 
     def _resolve(self, family: str, key: bytes, stored: bytes | None) -> bytes | None:
         return _layered_on(stored, *self._pending(family, key))
@@ -467,7 +409,7 @@ class _LayeredTxn:
         self._write(family, key)[:] = [None, 0]
 
     def known_empty(self, family: str, prefix: bytes) -> None:
-        self.emptied.append((family, prefix))  # (for a KeyTracker: LMDB needs no hint)
+        pass  # (LMDB needs no hint)
 
     def agree_first(self) -> None:
         pass  # (one host: nothing is answered ahead of anyone)
@@ -556,8 +498,6 @@ class LmdbEngine:
         self._stopping = False
         self._committer_idle = False  # waiting for changes: the next one wakes it
         self.commit_failures = 0
-        self.on_change: Callable[[], None] = lambda: None
-        self._trackers: dict[str, KeyTracker] = {}
         self._log = ChangeLog(path)
         self._committer: threading.Thread | None = None
         self.writer: LmdbWriter | None = None
@@ -632,14 +572,9 @@ class LmdbEngine:
             txn, lmdb_txn = self._view(writes)
             try:
                 result = change(txn)
-                tracked = [(tracker, *txn.keys_changed(family),
-                            [prefix for emptied, prefix in txn.emptied if emptied == family])
-                           for family, tracker in self._trackers.items() if family in writes]
             finally:
                 lmdb_txn.abort()
             if writes:
-                for tracker, made, _, emptied in tracked:
-                    tracker.adding(made, emptied)
                 seq = self._seq + 1
                 payload = encode(writes)
                 self._log.append(seq, payload)
@@ -647,17 +582,7 @@ class LmdbEngine:
                 self._seq = seq
                 if self._committer_idle or self._active.size >= GATHER_BYTES:
                     self._moved.notify_all()
-                self.on_change()
-                for tracker, _, removed, _ in tracked:
-                    tracker.removed(removed)
         return result
-
-    def track_names(self, tracker: KeyTracker) -> None:
-        """Tell `tracker` which `dentry` keys each change from now on makes and removes (the
-        names a directory gains and loses, for kvfs/missing_names.py): every directory made
-        from now on is complete."""
-        with self._lock:
-            self._trackers["dentry"] = tracker
 
     def allocate(self, key: bytes, count: int) -> int:
         def change(txn: Txn) -> int:

@@ -18,21 +18,18 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
-import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
-from kvfs.callers_cpu import REQUEST_LOCK
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
 from kvfs.files import Caller, FileTable
 from kvfs.kernel_inodes import KernelInodes
-from kvfs.meta import NAME_MAX, ROOT_INO, Inode, MetaStore, Removed
-from kvfs.missing_names import MissingNames
+from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls, off_loop
 from kvfs.passthrough import Passthrough
 from kvfs.records import FsError, fail
@@ -67,9 +64,6 @@ SHARED_CACHING = KernelCaching(entry=5.0, negative=5.0)
 SHARED_UNWATCHED_CACHING = KernelCaching(entry=0.05, negative=0.0)
 CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
 CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
-# kvfs's pyfuse3 patch (scripts/pyfuse3-passthrough.patch) hands readdir the directory's inode
-# where there is no handle; stock pyfuse3 needs OPENDIR for it.
-READDIR_WITHOUT_OPENDIR = getattr(pyfuse3, "READDIR_WITHOUT_OPENDIR", False)
 USER_XATTR = b"user."
 EXECUTE_BITS = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
@@ -86,19 +80,10 @@ WIDE_DIRECTORY_BLKSIZE = 1 << 20
 WIDE_DIRECTORY_SUBDIRS = 512
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
-# kvfs's pyfuse3 patch polls /dev/fuse this long (without the GIL, when no task is ready)
-# before the loop sleeps on it: most of a FUSE round trip on a small VM is waking a sleeping
-# daemon (scripts/bench_floor.py, libfuse in C: 111 µs per request sleeping, 37-44 polling
-# 50-200 µs, 95 polling 20).
+# kvfs's pyfuse3 (vendor/pyfuse3) polls /dev/fuse this long (without the GIL, when no task
+# is ready) before the loop sleeps on it: most of a FUSE round trip on a small VM is waking a
+# sleeping daemon (scripts/bench_floor.py).
 READ_SPIN_US = 100
-# kvfs's pyfuse3 patch serves FUSE over io_uring (libfuse 3.18): one queue per CPU, each
-# request served on its caller's CPU. On this VM a LOOKUP through it costs ~20 µs wherever
-# the caller runs, against 40-100 through /dev/fuse (scripts/bench_uring.py).
-IO_URING = getattr(pyfuse3, "IO_URING", False)
-# pyfuse3's handlers of the requests that move bytes through the daemon: their reads and
-# writes go through the block cache's tasks, on the loop
-DATA_PATH_HANDLERS = {"fuse_read_async", "fuse_write_async", "fuse_write_buf_async",
-                      "fuse_fallocate_async", "fuse_fsync_async", "fuse_poll_async"}
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -134,34 +119,10 @@ def guarded(method: Callable) -> Callable:
     return wrapper
 
 
-def guarded_now(method: Callable) -> Callable:
-    """`guarded` for a fast path run on an io_uring queue thread (`lookup_now`): counted
-    under its request's name when it answers."""
-    request = method.__name__.removesuffix("_now")
-
-    @functools.wraps(method)
-    def wrapper(self: KvfsOperations, *args: Any) -> Any:
-        started = time.perf_counter_ns()
-        try:
-            answer = method(self, *args)
-        except Exception as error:
-            answer = fuse_error(self, request, args, error)
-        if answer is not None:
-            self.stats.answered_on_caller_cpu += 1
-            self.stats.requests.record(request, time.perf_counter_ns() - started)
-        if isinstance(answer, FUSEError):
-            raise answer
-        return answer
-
-    return wrapper
-
-
 def guard_handlers(cls: type) -> type:
     for name, member in list(vars(cls).items()):
         if inspect.iscoroutinefunction(member) and not name.startswith("_"):
             setattr(cls, name, guarded(member))
-        elif name.endswith("_now"):
-            setattr(cls, name, guarded_now(member))
     return cls
 
 
@@ -297,7 +258,7 @@ def negative_entry(timeout: float) -> EntryAttributes:
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier, passthrough: Passthrough, io_uring: bool) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
         super().__init__()
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine)
@@ -308,49 +269,25 @@ class KvfsOperations(pyfuse3.Operations):
         self.stats = stats
         self.notifier = notifier
         self.passthrough = passthrough
-        self.enable_passthrough = passthrough.wanted  # read at INIT (patched pyfuse3 only)
-        self.read_spin_us = READ_SPIN_US  # read at init (patched pyfuse3 only)
-        # FUSE over io_uring where the kernel offers it (fuse.enable_uring) and the mount
-        # asks (--io-uring on): lookups and getattrs answered on the caller's CPU, and on
-        # the embedded engine every request but the data path's run on its queue thread
-        # (kvfs/callers_cpu.py; the patched pyfuse3 reads `handle_now`)
-        self.enable_io_uring = IO_URING and io_uring
-        if self.enable_io_uring and not meta.engine.shared:
-            self.handle_now = self._on_queue_thread
-        # replies over /dev/fuse written by a thread of the patched pyfuse3's own: the loop
-        # goes on to the next request while the kernel wakes the last one's caller
-        self.reply_thread = not self.enable_io_uring
+        # What kvfs's pyfuse3 (vendor/pyfuse3/README.md) reads at INIT:
+        self.enable_passthrough = passthrough.wanted
+        self.read_spin_us = READ_SPIN_US
+        # replies over /dev/fuse written by a thread of the binding's own: the loop goes on
+        # to the next request while the kernel wakes the last one's caller
+        self.reply_thread = True
         # kvfs clears setuid/setgid itself (writes, truncates, chowns): the kernel then stops
         # asking for security.capability (a GETXATTR) before every write() (patched pyfuse3)
         self.handle_killpriv_v2 = True
         # shared maps of opens the daemon serves (direct_io) go through the page cache of
         # their own kernel inode (kvfs/kernel_inodes.py) rather than failing (patched pyfuse3)
         self.direct_io_allow_mmap = True
-        # lookups and listings of one directory may run at once (the kernel otherwise takes
-        # a mutex of the directory's around each, patched pyfuse3): every handler of them
-        # reads a snapshot, and the kernel still serializes changes of the directory
-        self.enable_parallel_dirops = True
         # kvfs keeps user.* attributes alone (`getxattr` below): the patched pyfuse3 answers
         # ENODATA for every other name itself, without a task on the loop. The kernel asks
         # for security.capability at each new file's first write (one of a store's requests)
         # and `ls -l` for two names per entry.
         self.user_xattrs_only = True
-        # `ls`, `du` and `find` read each directory once more after its last entry: the
-        # patched pyfuse3 answers that READDIR itself (`readdir` marks the end) unless the
-        # metadata changed since, which the engine tells it.
-        listings_changed = getattr(pyfuse3, "listings_changed", None)
-        if listings_changed is not None:
-            meta.engine.on_change = listings_changed
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
                                     files.loads)
-        # lookups of names missing from complete directories (made since the mount, or
-        # small on one host) are answered by the patched pyfuse3 itself
-        # (kvfs/missing_names.py)
-        self.missing_names = MissingNames(
-            meta, (SHARED_CACHING if meta.engine.shared else ONE_HOST_CACHING).negative,
-            NAME_MAX,
-            never_complete=lambda ino: ino == ROOT_INO or self.control.owns(ino))
-        self.missing_names.start()
 
     @property
     def caching(self) -> KernelCaching:
@@ -360,19 +297,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which paths requests and data take."""
-        # (the patch's function; IO_URING says the patch is there)
-        if self.enable_io_uring and pyfuse3.io_uring_requested_at_init():  # type: ignore[attr-defined]
-            log.info("requests: FUSE over io_uring asked for (answered on the caller's CPU "
-                     "where they need not wait; .kvfs/stats answered_on_caller_cpu counts them)")
-        elif getattr(pyfuse3, "replies_from_thread", lambda: False)():
+        if pyfuse3.replies_from_thread():
             log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:
             log.info("requests: /dev/fuse")
-        if self.missing_names.answering:
-            log.info("lookups: misses in complete directories (made since the mount, or "
-                     "small) answered before the loop")
-        if getattr(pyfuse3, "parallel_dirops_enabled", lambda: False)():
-            log.info("lookups: a directory's lookups and listings run in parallel")
         if self.passthrough.available():
             log.info("data path: kernel passthrough, --verify %s", self.files.verifier.mode)
         else:
@@ -392,7 +320,7 @@ class KvfsOperations(pyfuse3.Operations):
         entry = entry_attributes(inode, 0.0 if uncached else self.caching.entry)
         nodeid = self.kernel.nodeid(inode.ino)
         if nodeid != inode.ino:
-            entry.nodeid = nodeid  # type: ignore[attr-defined]  # kvfs's pyfuse3 patch
+            entry.nodeid = nodeid
         return entry
 
     def _told(self, entry: EntryAttributes) -> EntryAttributes:
@@ -420,41 +348,11 @@ class KvfsOperations(pyfuse3.Operations):
         started = time.monotonic()
         inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name,
                                                 cached=True)
-        if inode is None:
-            self.missing_names.missed_in(parent_inode)
         racing = self.notifier.changed_since(parent_inode, name, started)
-        return self._told(self._looked_up(inode, racing, ctx,
-                                          self.files.prefetcher.looked_up))
+        return self._told(self._looked_up(inode, racing, ctx))
 
-    def _on_queue_thread(self, handler: Coroutine[Any, Any, Any]) -> bool:
-        """A request's handler coroutine, on the io_uring queue thread that took it; False:
-        pyfuse3 hands it to the loop (the mount is starting or ending)."""
-        if getattr(handler, "__name__", "") in DATA_PATH_HANDLERS:
-            return REQUEST_LOCK.to_loop(handler)
-        return REQUEST_LOCK.run_here(handler, self._answered_on_caller_cpu)
-
-    def _answered_on_caller_cpu(self) -> None:
-        self.stats.answered_on_caller_cpu += 1
-
-    def lookup_now(self, parent_inode: int, name: bytes, ctx: RequestContext
-                   ) -> EntryAttributes | None:
-        """LOOKUP on an io_uring queue thread, on the caller's CPU, with the GIL (patched
-        pyfuse3): the embedded engine answers at once, no wake-up of the loop's CPU. None
-        where the loop answers: a shared engine (a round trip), `.`, `..`, the control files.
-        What it touches of the loop's state is safe from another thread under the GIL (one
-        counter, one dict item), and the prefetcher hears of stored chunks on the loop."""
-        if (self.meta_call.blocking or name in (b".", b"..")
-                or self.control.is_reserved(parent_inode, name)):
-            return None
-        inode = self.meta.lookup(parent_inode, name, cached=True)
-        if inode is not None and self.files.is_open(inode.ino):
-            # The loop may still owe it a RELEASE, which the kernel does not wait for (and
-            # which commits the writer's last changes): the answer comes after it there.
-            return None
-        return self._told(self._looked_up(inode, False, ctx, self._prefetch_from_thread))
-
-    def _looked_up(self, inode: Inode | None, racing: bool, ctx: RequestContext,
-                   tell_prefetcher: Callable[[Inode, Caller], None]) -> EntryAttributes:
+    def _looked_up(self, inode: Inode | None, racing: bool, ctx: RequestContext
+                   ) -> EntryAttributes:
         if inode is None:
             self.stats.lookup_misses += 1
             return negative_entry(0.0 if racing else self.caching.negative)
@@ -465,28 +363,14 @@ class KvfsOperations(pyfuse3.Operations):
             # the kernel's retries of refused ones) do not meet on one.
             self.kernel.renew(inode.ino)
         self.space.note_use(inode.ino)
-        tell_prefetcher(inode, caller(ctx))
+        self.files.prefetcher.looked_up(inode, caller(ctx))
         entry = self._entry(inode)  # it has a name: not a file unlinked while open
         if racing:
             entry.entry_timeout = entry.attr_timeout = 0.0
         return entry
 
-    def _prefetch_from_thread(self, inode: Inode, who: Caller) -> None:
-        prefetcher, loop = self.files.prefetcher, pyfuse3.trio_token
-        if loop is not None and prefetcher.wants(inode):
-            with contextlib.suppress(trio.RunFinishedError):  # unmounting
-                loop.run_sync_soon(prefetcher.looked_up, inode, who)
-
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
         return self._entry(await self._attributes(self.kernel.ino(inode), nodeid=inode))
-
-    def getattr_now(self, inode: int, ctx: RequestContext) -> EntryAttributes | None:
-        """GETATTR on an io_uring queue thread, as `lookup_now`; files open on this host
-        (writers' sizes, a RELEASE still to come) go to the loop."""
-        inode = self.kernel.ino(inode)
-        if self.meta_call.blocking or self.control.owns(inode) or self.files.is_open(inode):
-            return None
-        return self._entry(self.meta.get(inode, cached=True))
 
     async def access(self, inode: int, mode: int, ctx: RequestContext) -> bool:
         """access(2) and chdir, asked where the kernel leaves permissions to kvfs (a mount
@@ -599,7 +483,7 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
-        if READDIR_WITHOUT_OPENDIR:
+        if pyfuse3.READDIR_WITHOUT_OPENDIR:
             # The kernel then reads directories without OPENDIR and RELEASEDIR (two requests
             # fewer per listing) and caches their listings, dropped at every change of the
             # directory that it makes or is told of (KernelNotifier).
@@ -609,9 +493,9 @@ class KvfsOperations(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # kvfs's pyfuse3 patch tells a READDIRPLUS from a READDIR, whose entries carry their
-        # inode number and type alone: those are read without unpacking the inodes.
-        plus = getattr(token, "plus", True)
+        # A READDIR's entries (not READDIRPLUS's) carry their inode number and type alone:
+        # those are read without unpacking the inodes.
+        plus = token.plus
         after = start_id
         while True:  # in pages: a huge directory is never read whole
             wanted = self._readdir_fits
@@ -636,8 +520,6 @@ class KvfsOperations(pyfuse3.Operations):
         for name, inode in self.control.entries(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._entry(inode), inode.ino):
                 return
-        if hasattr(token, "ended"):  # kvfs's pyfuse3 patch
-            token.ended = True
 
     async def releasedir(self, fh: int) -> None:
         pass

@@ -23,7 +23,6 @@ from typing import ParamSpec, TypeVar
 
 import trio
 
-from kvfs.callers_cpu import call_on_loop, on_loop
 from kvfs.engine import ChangesPending, Engine, LoopChanges, RoundTripNeeded
 from kvfs.records import fail
 
@@ -39,7 +38,6 @@ PENDING_WAIT_SECONDS = 1.0  # for the embedded engine's committer to apply what 
 async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run blocking `function` in a worker thread; the loop serves other requests meanwhile.
     Not abandoned on cancellation: a change, once started, finishes and is applied."""
-    await on_loop()
     return await trio.to_thread.run_sync(functools.partial(function, *args, **kwargs),
                                          limiter=WORKERS)
 
@@ -105,9 +103,9 @@ class MetaCalls:
 class QuickLock:
     """A lock for tasks whose acquire, when the lock is free, is no checkpoint and touches
     nothing of trio's. A request's handler that never suspends is answered by the task that
-    read it (kvfs's pyfuse3 patch wakes another reader only for handlers that wait), or by
-    an io_uring queue thread (kvfs/callers_cpu.py): a free per-handle lock must not make
-    every flush a scheduler pass and a reader's wake-up. Waiters are woken in turn."""
+    read it (kvfs's pyfuse3 wakes another reader only for handlers that wait): a free
+    per-handle lock must not make every flush a scheduler pass and a reader's wake-up.
+    Waiters are woken in turn."""
 
     def __init__(self) -> None:
         self._held = False
@@ -115,7 +113,6 @@ class QuickLock:
 
     async def __aenter__(self) -> None:
         if self._held:
-            await on_loop()
             while self._held:  # (each release wakes one waiter, which may find it taken)
                 await self._waiters.park()
         self._held = True
@@ -123,4 +120,4 @@ class QuickLock:
     async def __aexit__(self, *exc: object) -> None:
         self._held = False
         if self._waiters:
-            call_on_loop(self._waiters.unpark)
+            self._waiters.unpark()

@@ -1,14 +1,15 @@
 """Kernel FUSE passthrough: an open file's reads go from the kernel straight to its blob file,
 and the daemon never sees them.
 
-It needs three things, each checked: the patched pyfuse3 that set-up builds
-(scripts/build_passthrough.sh: `FileInfo.backing_id`, the session's descriptor), a kernel that
-grants passthrough at INIT (Linux >= 6.9), and CAP_SYS_ADMIN for the ioctl that registers a
-backing file. Without any of them every open falls back to reads the daemon serves.
+It needs a kernel that grants passthrough at INIT (Linux >= 6.9) and CAP_SYS_ADMIN for the
+ioctl that registers a backing file (kvfs's pyfuse3, vendor/pyfuse3, asks for it and hands
+`FileInfo.backing_id` to the kernel). Without either every open falls back to reads the
+daemon serves.
 
-Kernel rules the callers keep: one backing file per inode while it is open (every passthrough
-open of the inode shares one registration, made at the first open and dropped at the last
-release), and passthrough opens never mix with page-cache opens of the same inode.
+Kernel rules the callers keep: one backing file per kernel inode while it is open (every
+passthrough open of it shares one registration, made at the first open and dropped at the
+last release), and passthrough opens never mix with page-cache opens of the same kernel inode
+(kvfs/files/policy.py).
 
 Before a blob is handed to the kernel it is verified whole (kvfs/verify.py);
 `wholly_resident` (cachestat(2)) tells whether it is all in memory.
@@ -51,15 +52,11 @@ class Passthrough:
         self.wanted = not turned_off_by
         self.o_direct = o_direct
         self.refused = f"turned off ({turned_off_by})" if turned_off_by else ""
-        if self.wanted and not hasattr(pyfuse3, "passthrough_enabled"):
-            self.refused = "pyfuse3 without kvfs's passthrough patch"
 
     def available(self) -> bool:
         if self.refused:
             return False
-        # kvfs's pyfuse3 patch adds passthrough_enabled and get_session_fd (checked in
-        # __init__); pyfuse3's stubs do not list them.
-        if not pyfuse3.passthrough_enabled():  # type: ignore[attr-defined]
+        if not pyfuse3.passthrough_enabled():
             self.refused = "the kernel did not grant FUSE passthrough"
             log.warning("data path: kvfs serves reads itself: %s", self.refused)
             return False
@@ -79,8 +76,7 @@ class Passthrough:
         passthrough is off for the mount if it refuses for good)."""
         request = bytearray(_BACKING_MAP.pack(fd, 0, 0))
         try:
-            return fcntl.ioctl(pyfuse3.get_session_fd(),  # type: ignore[attr-defined]
-                               FUSE_DEV_IOC_BACKING_OPEN, request)
+            return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
         except OSError as error:
             if error.errno in (errno.EPERM, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
                 self.refused = f"registering a backing file: {error.strerror}"
@@ -91,8 +87,7 @@ class Passthrough:
 
     def unregister(self, backing_id: int) -> None:
         try:
-            fcntl.ioctl(pyfuse3.get_session_fd(),  # type: ignore[attr-defined]
-                        FUSE_DEV_IOC_BACKING_CLOSE,
+            fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_CLOSE,
                         bytearray(struct.pack("I", backing_id)))
         except OSError as error:
             log.warning("unregistering backing file %d failed: %s", backing_id, error)

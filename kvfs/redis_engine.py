@@ -81,7 +81,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvfs.changelog import ChangeLog
-from kvfs.engine import DirectoryTracker, RoundTripNeeded, get_through
+from kvfs.engine import RoundTripNeeded, get_through
 from kvfs.records import FsError, fail
 from kvfs.redis_loop import (
     CONNECT_TIMEOUT,
@@ -117,8 +117,7 @@ CHANGES_CHANNEL = PREFIX + b"changes:%d"
 # hosts of one pool run one kvfs version).
 ANNOUNCED = {"dentry": b"D", "inode": b"I"}
 _FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
-_DENTRY_KEY_AT = len(PREFIX + b"dentry:")  # where a dentry record's key starts
-_DENTRY_PREFIX_LENGTH = _DENTRY_KEY_AT + 8
+_DENTRY_PREFIX_LENGTH = len(PREFIX + b"dentry:") + 8  # a dentry record's family and parent
 _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
@@ -341,9 +340,7 @@ class RecordCache:
     A directory this host made starts out complete (`known_empty`): every entry it gains is
     written here or announced, so a name missing from the cache is missing from the
     directory, and lookups of new names there (a store's) need no round trip. It stays
-    complete until one of its entries leaves the cache (evicted, or dropped as uncertain).
-    A `DirectoryTracker` (`track`) is told each name a complete directory gains or loses,
-    under the cache's lock, before a read of the cache can see it (kvfs/missing_names.py)."""
+    complete until one of its entries leaves the cache (evicted, or dropped as uncertain)."""
 
     def __init__(self) -> None:
         self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
@@ -355,12 +352,7 @@ class RecordCache:
         self._forgotten = 0
         self._lock = threading.Lock()
         self._on = False
-        self._tracker: DirectoryTracker | None = None
         self.changes = 0  # of any record: taken before a read or write sets out
-
-    def track(self, tracker: DirectoryTracker) -> None:
-        with self._lock:
-            self._tracker = tracker
 
     @staticmethod
     def cacheable(family: str) -> bool:
@@ -405,8 +397,6 @@ class RecordCache:
         with self._lock:
             if self._on:
                 self._complete.update(emptied)
-                if self._tracker is not None and emptied:
-                    self._tracker.adding([], [prefix[_DENTRY_KEY_AT:] for prefix in emptied])
             for record, value in written:
                 if self._on and self._quiet_since(record, moment):
                     self._set(record, value)
@@ -444,18 +434,10 @@ class RecordCache:
             self.changes += 1
             self._forgotten = self.changes  # (every read on its way is stale)
             self._on = on
-            if self._tracker is not None:
-                self._tracker.reset()
 
     def _set(self, record: bytes, value: bytes | None) -> None:
         """(lock held) Set a record read or written here; the oldest go past the limit."""
         self._pushed.discard(record)
-        if self._tracker is not None and _complete_prefix(record) in self._complete:
-            known = self._records.get(record)  # (absent: None, the directory is complete)
-            if known is None and value is not None:
-                self._tracker.adding([record[_DENTRY_KEY_AT:]], [])
-            elif known is not None and value is None:
-                self._tracker.removed([record[_DENTRY_KEY_AT:]])
         self._records[record] = value
         while len(self._records) > CACHED_RECORDS:
             oldest = next(iter(self._records))
@@ -466,11 +448,7 @@ class RecordCache:
                 self._pop(oldest)
 
     def _pop(self, record: bytes) -> None:
-        prefix = _complete_prefix(record)
-        if prefix in self._complete:
-            self._complete.discard(prefix)
-            if self._tracker is not None:
-                self._tracker.incomplete([prefix[_DENTRY_KEY_AT:]])
+        self._complete.discard(_complete_prefix(record))
         self._records.pop(record, None)
         self._pushed.discard(record)
 
@@ -738,14 +716,12 @@ class _Change:
 
     def _outcome_unknown(self, written: list[tuple[bytes, bytes | None]]) -> None:
         self.engine.cache.drop(record for record, _ in written)  # applied or not: not known
-        self.engine.on_change()
 
     def _committed(self, applied: bool, written: list[tuple[bytes, bytes | None]],
                    moment: int) -> None:
         if not applied:
             raise redis.WatchError("a record this change read has changed")
         self.engine.cache.wrote(written, moment, self.emptied)
-        self.engine.on_change()
 
     def still_valid(self) -> bool:
         return self._run_script(with_writes=False)
@@ -766,7 +742,6 @@ class RedisEngine:
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), ATTEMPTS - 1))
         self._down_until = 0.0
         self.conflicts = 0
-        self.on_change: Callable[[], None] = lambda: None
         self._room = (0.0, True)
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
@@ -899,7 +874,6 @@ class RedisEngine:
         written, moment = txn.cached_writes()
         behind.queue(txn)
         self.cache.wrote(written, moment, txn.emptied)
-        self.on_change()
 
     def _change_for_loop(self, change: Callable[[_Change], T], pending: list[_Change]) -> T:
         """(`change_on_loop`) Run `change` from the cache; its commit joins `pending`."""
@@ -1029,9 +1003,6 @@ class RedisEngine:
 
     # -- write-behind ----------------------------------------------------------------------
 
-    def track_names(self, tracker: DirectoryTracker) -> None:
-        self.cache.track(tracker)
-
     def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
                      journal: Path) -> WriteBehind:
         self.behind = WriteBehind(self, gather_seconds, sync_volume, ChangeLog(journal))
@@ -1107,7 +1078,6 @@ class RedisEngine:
         cache (before its queued values stop answering reads)."""
         self.cache.drop(_record_key(family, key) for family, key in change.writes
                         if family in ANNOUNCED)
-        self.on_change()
 
     def unsee_ahead(self, change: _Change) -> None:
         """... and the names and attributes it wrote out of this host's kernel (after)."""
@@ -1174,7 +1144,6 @@ class RedisEngine:
             return
         self.cache.pushed([(_record_key(family, key), value)  # before the kernel re-asks
                            for family, key, value in records])
-        self.on_change()
         for family, key, _ in records:
             try:
                 changed(family, key)

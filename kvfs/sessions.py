@@ -40,7 +40,6 @@ from typing import Any
 
 import trio
 
-from kvfs.callers_cpu import on_loop, wake
 from kvfs.data import DataStore
 from kvfs.engine import LoopChanges
 from kvfs.meta import Inode, MetaStore, u64
@@ -228,7 +227,7 @@ class Session:
     async def release(self, blob_id: int) -> None:
         if self._drop_hold(blob_id) and self.shared:
             self._releasing.add(blob_id)  # recorded by `send_releases`, with others
-            wake(self._release_wanted)
+            self._release_wanted.set()
 
     def _drop_hold(self, blob_id: int) -> bool:
         """One hold less; returns whether it was the last."""
@@ -241,7 +240,6 @@ class Session:
 
     @contextlib.asynccontextmanager
     async def _recording(self, blob_id: int) -> AsyncIterator[None]:
-        await on_loop()
         lock = self._recording_locks.setdefault(blob_id, trio.Lock())
         try:
             async with lock:
@@ -357,7 +355,7 @@ class Session:
 
     def want_sweep(self) -> None:
         """This host doomed a blob: sweep now rather than at the next tick."""
-        wake(self._sweep_wanted)
+        self._sweep_wanted.set()
 
     async def sweep_doomed(self) -> None:
         """Delete the data files of doomed blobs no host holds or publishes (shared only:

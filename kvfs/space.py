@@ -27,7 +27,6 @@ from pathlib import Path
 
 import trio
 
-from kvfs.callers_cpu import on_loop
 from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, Usage
 from kvfs.offloop import MetaCalls, off_loop
 from kvfs.records import FsError, fail
@@ -196,9 +195,7 @@ class Space:
     # -- recency -------------------------------------------------------------------------
 
     def note_use(self, ino: int) -> None:
-        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches. Also
-        from an io_uring queue thread: the clock is read first, so that the GIL cannot pass
-        to the loop (`take_uses`) between reading `_uses` and storing into it."""
+        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches."""
         now = time.time_ns()
         self._uses[ino] = now
 
@@ -211,7 +208,6 @@ class Space:
         loop, USES_PER_CHANGE at a time with a checkpoint between: 5,000 uses at once (~15 µs
         each) would hold every request back for 75 ms. One flush at a time: an eviction's
         flush returns once the uses taken before it are recorded too."""
-        await on_loop()
         async with self._flushing:
             uses = list(self.take_uses().items())
             step = max(1, len(uses)) if self.meta_call.blocking else USES_PER_CHANGE
@@ -229,7 +225,6 @@ class Space:
     async def evict_to(self, target: int, partial: bool = False) -> bool:
         """Evict least-recently-used files until used <= target. If that is impossible,
         evict nothing and return False (with `partial`, evict what can be)."""
-        await on_loop()
         async with self._evicting:
             await self.flush_uses()  # eviction order must include the latest uses
             for _ in range(EVICTION_ATTEMPTS):

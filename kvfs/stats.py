@@ -20,8 +20,7 @@ class RequestTimes:
         self._seconds: dict[str, float] = {}
 
     def record(self, request: str, elapsed_ns: int) -> None:
-        """(No lock: handlers record, on the loop, or on io_uring queue threads that hold the
-        request mutex the loop holds while it runs: one at a time.)"""
+        """(No lock: handlers record on the loop, one at a time.)"""
         bucket = (elapsed_ns // 1000 - 1).bit_length() - 4
         buckets = self._buckets.get(request)
         if buckets is None:
@@ -46,22 +45,6 @@ class RequestTimes:
                 for request, (buckets, seconds) in sorted(self.histograms().items())}
 
 
-# Requests kvfs's pyfuse3 patch answers itself, before the loop (`requests` does not count
-# them): counter -> the patch's function that reads it.
-ANSWERED_BY_PYFUSE3 = {
-    "foreign_xattrs_refused": "foreign_xattr_refusals",  # GETXATTRs outside user.*: ENODATA
-    "listing_ends_answered": "listing_ends",  # READDIRs at a listing's recorded end: empty
-    # LOOKUPs of names missing from directories made while mounted (kvfs/missing_names.py)
-    "missing_names_answered": "missing_names",
-}
-
-
-def answered_by_pyfuse3() -> dict[str, int]:
-    """Each counter of ANSWERED_BY_PYFUSE3 (0 under a pyfuse3 without kvfs's patch)."""
-    return {counter: getattr(pyfuse3, function, lambda: 0)()
-            for counter, function in ANSWERED_BY_PYFUSE3.items()}
-
-
 def _quantile(buckets: list[int], share: float) -> int | None:
     """The bucket bound under which `share` of the requests were answered (None: above all)."""
     wanted, seen = share * sum(buckets), 0
@@ -75,9 +58,7 @@ def _quantile(buckets: list[int], share: float) -> int | None:
 @dataclass
 class Stats:
     lookup_hits: int = 0
-    lookup_misses: int = 0  # (reported with the misses pyfuse3 answers itself)
-    # requests answered on an io_uring queue thread, on the caller's CPU (--io-uring on)
-    answered_on_caller_cpu: int = 0
+    lookup_misses: int = 0
     bytes_opened: int = 0  # committed content opened for reading, however it is then read
     bytes_committed: int = 0  # content writers committed (whoever moved the bytes)
     bytes_read: int = 0  # served by the daemon (not through the kernel's passthrough)
@@ -112,14 +93,13 @@ class Stats:
     blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
     spare_staged_files: int = 0  # empty staged files made ahead for writers (kvfs/files/spares.py)
     blobs_publishing: int = 0  # committed blobs the publisher has yet to move into blobs/
-    cpu_latency_held_seconds: float = 0.0  # CPUs kept quick to wake (--cpu-latency)
     requests: RequestTimes = field(default_factory=RequestTimes)
 
     def as_dict(self) -> dict[str, object]:
         counters: dict[str, object] = {counter.name: getattr(self, counter.name)
                                        for counter in fields(self) if counter.name != "requests"}
-        answered = answered_by_pyfuse3()
-        counters |= answered
-        counters["lookup_misses"] = self.lookup_misses + answered["missing_names_answered"]
+        # GETXATTRs outside user.* the binding answers ENODATA itself (`requests` does not
+        # count them)
+        counters["foreign_xattrs_refused"] = pyfuse3.foreign_xattr_refusals()
         counters["requests"] = self.requests.as_dict()
         return counters

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import trio
 
-from kvfs.callers_cpu import on_loop, wake
 from kvfs.data import (
     VERIFY_RUN_BLOCKS,
     ChecksumError,
@@ -82,7 +81,6 @@ class Verifier:
         """Return once the blob may be passed to a reader (`direct`: an O_DIRECT one): every
         block checked now, or before and still good by the mode's rule (`force`, a prefetch:
         checked now unless a check just ended). ChecksumError."""
-        await on_loop()
         joined = info.blob_id in self._running
         self.stats.verifications_joined += joined
         while (running := self._running.get(info.blob_id)) is not None:
@@ -185,7 +183,7 @@ class LateHasher:
             self._on_volume.append((blob_id, self._last_busy))
         else:
             self._in_memory.append(blob_id)
-        wake(self._wanted)
+        self._wanted.set()
 
     def kernel_busy(self) -> None:
         """The kernel writes or reads blobs without sums (a commit, an open): sums read
@@ -241,7 +239,6 @@ class LateHasher:
     async def take_sums(self, blob_id: int) -> None:
         """Return once the blob has its sums (or is gone); ChecksumError if its data file
         does not have the size committed, OSError if it cannot be read."""
-        await on_loop()
         while (running := self._running.get(blob_id)) is not None:
             await running.wait()
         self._running[blob_id] = trio.Event()

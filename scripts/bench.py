@@ -970,7 +970,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cache-size", type=int, default=256, metavar="MIB",
                         help="kvfs --cache-size in MiB (default 256)")
     parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
-                        help="more options for the kvfs mount, e.g. '--cpu-latency 0'")
+                        help="more options for the kvfs mount, e.g. '--verify open'")
     parser.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP",
                         help=f"run only this group (repeatable): {', '.join(GROUPS)}")
     return parser.parse_args()

@@ -1,8 +1,8 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
-                                              [--redis] [--write-behind MS] [--io-uring]
-                                              [--cpu-latency US] [--fresh-ext4 SIZE]
+                                              [--redis] [--write-behind MS]
+                                              [--fresh-ext4 SIZE]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
 payload so that metadata, not bytes, is what is timed: `exists(dest)`, open a per-thread
@@ -12,9 +12,7 @@ vLLM's tree spreads them. Runs alternate which side goes first; the median of --
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
 --write-behind, another such mount (its own pool, database 1 of that Redis) answers its changes
-ahead of Redis (`--write-behind MS`); with --io-uring, another LMDB mount takes requests over
-io_uring (`--io-uring on`); with --cpu-latency, each kvfs mount has a twin that keeps the
-CPUs quick to wake while requests flow (`--cpu-latency US`); with --fresh-ext4, everything
+ahead of Redis (`--write-behind MS`); with --fresh-ext4, everything
 runs on a new ext4 file system with its journal, in an image of SIZE in the work directory
 (stable figures from run to run). Needs root (mounting). The mounts, Redis, the image and
 the work directory (default bench-work/ in the repository) are removed at the end.
@@ -84,11 +82,6 @@ def main() -> int:
                         help="also measure a mount whose metadata is in Redis")
     parser.add_argument("--write-behind", metavar="MS",
                         help="also measure a Redis mount with --write-behind MS")
-    parser.add_argument("--io-uring", action="store_true",
-                        help="also measure an LMDB mount with --io-uring on (the kernel's "
-                             "fuse.enable_uring must be on)")
-    parser.add_argument("--cpu-latency", metavar="US",
-                        help="also measure each kvfs mount with --cpu-latency US")
     parser.add_argument("--fresh-ext4", metavar="SIZE", type=image_size,
                         help="run on a new ext4 file system with a journal, in an image of "
                              "SIZE (e.g. 8G) made in --workdir and removed at the end")
@@ -112,16 +105,11 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     console = Console(highlight=False)
     redis = LocalRedis(work / "redis") if args.redis or args.write_behind else None
     variants = {"kvfs": []}
-    if args.io_uring:
-        variants["kvfs-io_uring"] = ["--io-uring", "on"]
     if redis is not None and args.redis:
         variants["kvfs-redis"] = ["--meta", redis.url]
     if redis is not None and args.write_behind:
         pool = redis.url.rsplit("/", 1)[0] + "/1"  # (a pool of its own)
         variants["kvfs-redis-write-behind"] = ["--meta", pool, "--write-behind", args.write_behind]
-    if args.cpu_latency is not None:
-        variants |= {f"{name}-cpu-latency": [*options, "--cpu-latency", args.cpu_latency]
-                     for name, options in variants.items()}
     mounts = {name: KvfsMount(work / f"{name}-data", work / f"{name}-mnt", options)
               for name, options in variants.items()}
     roots = {"plain": work / "plain"} | {name: mount.mountpoint
@@ -143,8 +131,6 @@ def measure(args: argparse.Namespace, work: Path) -> int:
                     rates.setdefault((target, threads), []).append(rate)
                     console.print(f"{threads:>2} threads, run {run + 1}, {target}: "
                                   f"{rate:,.0f} files/s")
-                    if args.cpu_latency is not None:
-                        time.sleep(1)  # a --cpu-latency mount's hold goes before the next run
     finally:
         for mount in mounts.values():
             mount.unmount()

@@ -73,7 +73,7 @@ def build_floor_daemon(work: Path) -> Path:
     binary = work / "fuse_floor"
     includes = sorted(LIBFUSE.glob("include/fuse3"))
     libraries = sorted(LIBFUSE.glob("lib/*/libfuse3.so"))
-    if includes and libraries:  # the libfuse kvfs's pyfuse3 uses (scripts/build_passthrough.sh)
+    if includes and libraries:  # the libfuse kvfs's pyfuse3 uses (scripts/build_fuse.sh)
         flags = [f"-I{includes[0]}", f"-L{libraries[0].parent}",
                  f"-Wl,-rpath,{libraries[0].parent}"]
     else:

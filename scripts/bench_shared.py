@@ -492,7 +492,7 @@ def parse_args() -> argparse.Namespace:
                         help="where the plain directory, the volumes, the mounts and Redis's "
                              "files live; must be empty (default %(default)s)")
     parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
-                        help="more options for every kvfs mount, e.g. '--cpu-latency 0'")
+                        help="more options for every kvfs mount, e.g. '--verify open'")
     parser.add_argument("--redis-mount-options", default="", metavar="'OPTIONS'",
                         help="more options for the two Redis mounts, e.g. '--write-behind 5'")
     return parser.parse_args()

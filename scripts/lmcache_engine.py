@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_seed": args.kv_seed,
     }
     slot_mapping = torch.arange(n_tokens, dtype=torch.long)
+    first_lookup: float | None = None
     try:
         if args.barrier:
             wait_barrier(args.barrier, args.parties, args.timeout)
@@ -236,11 +237,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "seconds": round(seconds, 4), "flushed": flushed}
             elif op == "lookup":
                 t0 = time.perf_counter()
+                first_lookup = t0 if first_lookup is None else first_lookup
                 hit = engine.lookup(tokens)
                 out["lookup"] = {"tokens_hit": hit,
                                  "seconds": round(time.perf_counter() - t0, 4)}
             elif op == "retrieve":
-                out["retrieve"] = retrieve(engine, connector, tokens, slot_mapping, shape, args)
+                out["retrieve"] = retrieved = retrieve(engine, connector, tokens, slot_mapping,
+                                                       shape, args)
+                if first_lookup is not None:  # what the prompt waited for: lookup to last byte
+                    waited = retrieved.pop("ended_at") - first_lookup
+                    out["prompt"] = {
+                        "seconds": round(waited, 4),
+                        "gbps": round(retrieved["bytes_loaded"] / waited / 1e9, 3)}
             else:
                 raise ValueError(f"unknown op {op!r}")
     finally:
@@ -255,7 +263,8 @@ def retrieve(engine: Any, connector: Any, tokens: torch.Tensor, slot_mapping: to
     connector.paged.zero_()
     t0 = time.perf_counter()
     mask = engine.retrieve(tokens, slot_mapping=slot_mapping)
-    seconds = time.perf_counter() - t0
+    ended_at = time.perf_counter()
+    seconds = ended_at - t0
     hit = int(mask.sum())
     # A retrieved prefix is what LMCache hands on; count only whole leading chunks.
     n_chunks = hit // shape.chunk_tokens
@@ -277,6 +286,7 @@ def retrieve(engine: Any, connector: Any, tokens: torch.Tensor, slot_mapping: to
         "digest": digest.hexdigest(),
         "chunk_seeds": sources,
         "exact": hit == len(tokens) and all(s is not None for s in sources),
+        "ended_at": ended_at,
     }
 
 

@@ -4,8 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# liburing-dev and libnuma-dev: libfuse 3.18's FUSE over io_uring (scripts/build_passthrough.sh)
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config fio redis-server liburing-dev libnuma-dev)
+APT_PACKAGES=(fuse3 pkg-config fio redis-server)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -20,6 +19,10 @@ fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 PY=.venv/bin/python
 
+# The FUSE stack: libfuse >= 3.17 and kvfs's pyfuse3 (vendor/pyfuse3), built once and again
+# when either changes; set-up stops here, saying why, where it cannot be built.
+bash scripts/build_fuse.sh || exit 1
+
 # LMCache 0.5.6 for CPU: --no-deps, then only the runtime needs its storage layer uses
 # (a plain install drags in CUDA and cloud SDKs).
 LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
@@ -27,19 +30,12 @@ LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "numpy<=2.2.6" numba
     pyzmq transformers cryptography "setuptools>=77.0.3,<81")
 
 stamp=.venv/.kvfs-setup-stamp
-want="$(cat pyproject.toml scripts/setup.sh scripts/build_passthrough.sh scripts/pyfuse3-passthrough.patch \
-    scripts/libfuse-uring-submit.patch | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     echo "setup: installing Python packages into .venv (first run takes a few minutes)"
     $PY -m pip install -q --upgrade pip
     $PY -m pip install -q "torch==2.13.0"
     $PY -m pip install -q "${LMCACHE_DEPS[@]}"
-    # Kernel FUSE passthrough needs libfuse >= 3.17 and a patched pyfuse3; without them kvfs
-    # serves every byte itself (stock pyfuse3, installed with kvfs below).
-    if ! bash scripts/build_passthrough.sh >.venv/passthrough-build.log 2>&1; then
-        echo "setup: FUSE passthrough unavailable (see .venv/passthrough-build.log):" \
-            "kvfs will serve reads and writes itself"
-    fi
     $PY -m pip install -q -e ".[test]"
     # Last, so that no later install re-checks the dependencies it was installed without.
     $PY -m pip install -q --no-deps "lmcache==0.5.6"

@@ -163,11 +163,6 @@ def missing(path: Path) -> bool:
     return False
 
 
-def answered_early(root: Path) -> int:
-    """Lookups of missing names the patched pyfuse3 answered itself (kvfs/missing_names.py)."""
-    return stats(root)["missing_names_answered"]
-
-
 def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
     """Poll `condition` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

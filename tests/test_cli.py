@@ -214,8 +214,7 @@ def test_data_dir_on_readonly_volume_is_one_line(tmp_path: Path, readonly_dir: P
     ["--capacity", "lots"],
     ["--capacity", "-5G"],
     ["--capacity", ""],
-    ["--cpu-latency", "fast"],
-    ["--cpu-latency", "-1"],
+    ["--io-uring", "on"],  # (removed options are refused like unknown ones)
     ["--write-behind", "soon"],
     ["--write-behind", "80"],  # (other hosts must see a change within 100 ms)
     ["--write-behind", "5"],  # (without --meta: the embedded engine answers from memory)

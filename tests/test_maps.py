@@ -178,11 +178,15 @@ def test_two_writers_each_map_their_own_copy_and_the_last_close_wins(
     assert_consistent(mount, before)
 
 
-def test_a_reader_beside_a_writer_maps_the_committed_version(mount: KvfsMount) -> None:
+@pytest.mark.parametrize("access", [os.O_RDWR, os.O_WRONLY], ids=["served", "kernel"])
+def test_a_reader_beside_a_writer_maps_the_committed_version(mount: KvfsMount,
+                                                              access: int) -> None:
+    """Beside a writer the daemon serves (read-write) or the kernel writes through (write
+    only, where passthrough is on), a reader reads and maps the committed version."""
     path = mount.mountpoint / "f"
     write_file(path, OLD)
     before = committed_blobs(mount)
-    writer = Holder(path, os.O_RDWR)
+    writer = Holder(path, access)
     writer.write()
     reader = os.open(path, os.O_RDONLY)
     try:
@@ -205,13 +209,15 @@ def test_readers_of_two_versions_each_map_their_own(mount: KvfsMount) -> None:
     write_file(path, OLD)
     old_reader = Holder(path, os.O_RDONLY)
     before = committed_blobs(mount)
-    new = b"y" * SIZE
+    new = b"y" * 100  # shorter: the old reader's size stays its version's
     write_file(path, new)
     new_reader = os.open(path, os.O_RDONLY)
     try:
+        assert os.fstat(new_reader).st_size == len(new)
         assert os.pread(new_reader, SIZE, 0) == new
-        assert map_read(new_reader, shared=True) == new
-        assert map_read(new_reader, shared=False) == new
+        for flags in (mmap.MAP_SHARED, mmap.MAP_PRIVATE):
+            with mmap.mmap(new_reader, len(new), flags, mmap.PROT_READ) as view:
+                assert bytes(view) == new
     finally:
         os.close(new_reader)
     assert old_reader.views() == [OLD] * 3

@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyfuse3
 import pytest
 from conftest import (
     KvfsMount,
@@ -41,8 +40,6 @@ from conftest import (
 MiB = 1 << 20
 NOBODY = 65534
 
-pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
-                                reason="pyfuse3 without kvfs's passthrough patch")
 
 
 def errno_of(call, *args) -> int:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
-import pyfuse3
 import pytest
 from conftest import (
     KvfsMount,
@@ -46,8 +45,6 @@ from kvfs.records import SUMS_PENDING
 
 MiB = 1 << 20
 
-pytestmark = pytest.mark.skipif(not hasattr(pyfuse3, "passthrough_enabled"),
-                                reason="pyfuse3 without kvfs's passthrough patch")
 
 
 @pytest.fixture
@@ -97,7 +94,7 @@ def test_new_files_are_written_by_the_kernel(roomy: KvfsMount) -> None:
 
 def getxattr_requests(root: Path) -> int:
     """GETXATTRs the kernel sent: those the loop answered and those of names outside user.*
-    that the patched pyfuse3 answered before it."""
+    that the binding answered before it."""
     shown = stats(root)
     return shown["requests"].get("getxattr", {}).get("count", 0) + shown["foreign_xattrs_refused"]
 

@@ -1,4 +1,4 @@
-"""Replies written by the patched pyfuse3's reply thread (scripts/pyfuse3-passthrough.patch):
+"""Replies written by the binding's reply thread (vendor/pyfuse3/README.md):
 every reply reaches its caller, whether the loop queued it while requests kept coming, or
 after it had gone to sleep (a handler resumed after a worker call), and the mount stays exact.
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pyfuse3
 import pytest
 from conftest import KvfsMount, assert_counters_exact, stats
 
@@ -20,8 +19,6 @@ CLIENT_SECONDS = 60
 
 @pytest.fixture
 def threaded(make_mount) -> KvfsMount:
-    if not hasattr(pyfuse3, "replies_from_thread"):
-        pytest.skip("pyfuse3 without kvfs's reply thread (scripts/build_passthrough.sh)")
     mount = make_mount("--capacity", "1G")
     assert "replies written by a thread of their own" in (mount.data / "kvfs.log").read_text()
     return mount

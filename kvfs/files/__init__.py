@@ -47,7 +47,6 @@ from typing import NoReturn
 
 import trio
 
-from kvfs.callers_cpu import on_loop
 from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
 from kvfs.files.policy import shares_kernel_inode
 from kvfs.files.state import (
@@ -136,7 +135,6 @@ class FileTable(WritingOps):
             return await self._answer_open(state, handle, flags)
         except BaseException:
             del self._handles[handle.fh]
-            await on_loop()
             with trio.CancelScope(shield=True):
                 await self._close_handle(handle)
             raise

@@ -8,7 +8,6 @@ import logging
 
 import trio
 
-from kvfs.callers_cpu import on_loop, wake
 from kvfs.files.state import (
     FileState,
 )
@@ -54,7 +53,7 @@ class RetiringOps(FileState):
             self._doomed_when_closed.add(blob_id)
             return
         self._doomed.append(blob_id)
-        wake(self._reap_wanted)
+        self._reap_wanted.set()
 
     def _writer_closed(self) -> None:
         """Doom what waited for a kernel writer that no longer writes into it."""
@@ -86,7 +85,6 @@ class RetiringOps(FileState):
         return pending
 
     async def _reap_doomed(self) -> None:
-        await on_loop()
         async with self._reaping:  # after a deletion under way, the rest
             doomed, self._doomed = self._doomed, []
             if not doomed:
@@ -127,7 +125,6 @@ class RetiringOps(FileState):
         a blob a write-only writer on this host still writes through the kernel after a
         close committed it (its duplicate descriptor or a forked copy wrote on): its next
         close commits what it holds (the caller still answers EIO)."""
-        await on_loop()
         if blob is not None and self._kernel_writes_into(blob.blob_id):
             log.warning("%r (ino %d): blob %016x is being written again by its writer, not "
                         "dropped: %s", inode.name, inode.ino, blob.blob_id, reason)

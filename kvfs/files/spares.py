@@ -27,7 +27,6 @@ from enum import StrEnum
 
 import trio
 
-from kvfs.callers_cpu import wake
 from kvfs.data import DataStore
 from kvfs.stats import Stats
 from kvfs.volume_helper import HelperGone, VolumeHelper
@@ -61,7 +60,7 @@ class SpareFiles:
         """A spare: its blob id and a descriptor of its empty staged file, open for reading
         and writing; None if there is none (the caller creates its own)."""
         if self.helper is not None and len(self._spares) <= SPARES_KEPT // 2:
-            wake(self._wanted)
+            self._wanted.set()
         if not self._spares:
             return None
         self.stats.spare_staged_files -= 1

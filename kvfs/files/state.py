@@ -110,11 +110,8 @@ class Opened:
 
     def file_info(self) -> FileInfo:
         info = FileInfo(fh=self.fh, direct_io=self.direct_io, keep_cache=self.keep_cache)
-        if self.backing_id:
-            # kvfs's pyfuse3 patch adds FileInfo.backing_id (not in pyfuse3's stubs).
-            info.backing_id = self.backing_id  # type: ignore[attr-defined]
-        if self.read_only and hasattr(info, "noflush"):  # kvfs's pyfuse3 patch
-            info.noflush = True  # its close has nothing to commit: no FLUSH round trip
+        info.backing_id = self.backing_id
+        info.noflush = self.read_only  # its close has nothing to commit: no FLUSH round trip
         return info
 
 
@@ -181,10 +178,7 @@ class FileState:
         self.cache = cache
         self.passthrough = passthrough
         self.helper = helper  # makes spares and publishes (kvfs/volume_helper.py), if alive
-        # Whether closes leave every publishing to the publisher (else only syncing stores'):
-        # not where handlers run on io_uring queue threads, whose hand-off of each blob to
-        # the loop would wake it and take turns at the request mutex with them (one writer
-        # over io_uring stored 1,183-1,331 files/s that way, 1,822-1,888 renaming itself).
+        # Whether closes leave every publishing to the publisher (else only syncing stores')
         self.publish_later = helper is not None
         # Set where a shared engine answers changes ahead of Redis (write-behind): a small
         # file's close leaves its data's sync to that engine's queue, which syncs the files
@@ -253,6 +247,14 @@ class FileState:
         state = self._open.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode
+        readers = [handle for handle in state.handles if handle.nodeid == nodeid]
+        if (nodeid is not None and readers and not any(h.writable for h in readers)
+                and readers[0].version != inode.version):
+            # A kernel inode of readers of an older version (kvfs/files/policy.py): its size
+            # is theirs, so that their maps reach as far as their reads.
+            blob = readers[0].blob
+            return inode._replace(size=blob.size if blob else 0,
+                                  allocated=blob.allocated if blob else 0)
         sizes = [(handle.changed_at, own) for handle in state.handles
                  if handle.writable and (nodeid is None or handle.nodeid == nodeid)
                  and (own := handle.own_size()) is not None]

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import trio
 
-from kvfs.callers_cpu import call_on_loop, on_loop
 from kvfs.data import (
     StagedFile,
     writable_length,
@@ -203,6 +202,7 @@ class WritingOps(RetiringOps):
         # Marked and held by the commit itself: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
         self._publishing.add(staged.blob_id)
+        staged.direct = handle.direct
         holder = self.session.hold_committing(staged.blob_id)
         try:
             later = staged.hashes_later(handle.backing)
@@ -262,7 +262,7 @@ class WritingOps(RetiringOps):
                             and self.helper.alive):
             self._published_later[staged.blob_id] = trio.Event()
             self.stats.blobs_publishing = len(self._published_later)
-            call_on_loop(self._to_publish.send_nowait, staged)  # (from a queue thread too)
+            self._to_publish.send_nowait(staged)
         else:
             with contextlib.suppress(OSError):  # the flush tries again and reports the error
                 staged.publish()
@@ -353,7 +353,6 @@ class WritingOps(RetiringOps):
         """Return once the publisher is done with `staged` (at once if it never had it)."""
         queued = self._published_later.get(staged.blob_id)
         if queued is not None:
-            await on_loop()  # (an event set meanwhile returns at once)
             await queued.wait()
 
     def _finish_and_commit(self, ino: int, staged: StagedFile, hash_later: bool,

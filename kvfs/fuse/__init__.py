@@ -1,0 +1,1 @@
+"""The FUSE layer's support: the binding kvfs runs on (`binding`)."""
