@@ -37,9 +37,15 @@ def kvfs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+# Options every test mount gets besides its own: scripts/test.sh runs part of the suite again
+# with "--passthrough off", so that the path kernels without passthrough take cannot rot.
+MOUNT_OPTIONS = os.environ.get("KVFS_TEST_MOUNT_OPTIONS", "").split()
+
+
 def run_mount(mountpoint: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(MOUNT_SCRIPT), str(mountpoint), "--data", str(data), *extra],
+        [sys.executable, str(MOUNT_SCRIPT), str(mountpoint), "--data", str(data), *extra,
+         *MOUNT_OPTIONS],
         capture_output=True, text=True, timeout=60,
     )
 

@@ -9,7 +9,9 @@ with contents and xattrs, and kvfs's space accounting, are compared at the end o
 Operations: create (O_CREAT with and without O_EXCL / O_TRUNC / O_APPEND), writes at offsets
 (holes, across the 1 MiB checksum blocks, far past the end: 64 GiB, 1 TiB, at and past the
 16 TiB limit: EFBIG), open-act-close sessions mixing pwrite, write, lseek, ftruncate and pread
-on one handle, truncate (to sparse sizes: 64 GiB, 1 TiB; 16 TiB and more: EFBIG), rename and
+on one handle, sessions of several descriptors of one file at once (readers before and after
+a writer) read and written through shared and private maps as through pread and pwrite,
+truncate (to sparse sizes: 64 GiB, 1 TiB; 16 TiB and more: EFBIG), rename and
 renameat2 (NOREPLACE, EXCHANGE) of files, directories and special files (onto existing
 entries, into their own subtree, between two names of one inode), unlink, mkdir, rmdir,
 symlinks (to generated names, dangling, looping, absolute, with a trailing slash; the other
@@ -1090,10 +1092,10 @@ class Roots:
                 ids=["daemon-writes", "kernel-writes", "redis-metadata"])
 def roots(request: pytest.FixtureRequest) -> Iterator[Roots]:
     """A kvfs mount (--allow-other) and a plain directory, both in a 0755 directory under
-    /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them. Pools
-    under 4 GiB have kvfs serve every write; larger ones let the kernel write new and
-    truncated files (passthrough, where available). `redis`: a 1 GiB pool whose metadata is
-    in a Redis server of its own (the shared-pool engine)."""
+    /var/tmp (pytest's tmp dirs are root-only), so that user nobody can reach them. A small
+    pool leaves kernel writers little room (a share of the capacity each), so kvfs serves
+    most writes there; a larger one lets the kernel write (passthrough, where available).
+    `redis`: a 1 GiB pool whose metadata is in a Redis server of its own."""
     base = Path(tempfile.mkdtemp(prefix="kvfs-differential-", dir="/var/tmp"))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, base, ignore_errors=True)

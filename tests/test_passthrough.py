@@ -331,9 +331,9 @@ def test_a_daemon_without_cap_sys_admin_falls_back(fuse_for_everyone: Path) -> N
         assert wait_for(lambda: not Path(f"/proc/{pid}").exists(), 20)
 
 
-def test_readers_arriving_while_a_writer_waits_let_it_through(passthrough: KvfsMount) -> None:
-    """New readers do not join the passthrough readers a writer waits for (they would starve
-    it): they wait for them to drain too, then are served by the daemon beside the writer."""
+def test_a_reader_writer_and_late_reader_of_one_file_at_once(passthrough: KvfsMount) -> None:
+    """A passthrough reader holds the file, a writer opens and writes, a late reader opens
+    while the writer is open: none waits for another, and each sees a whole version."""
     root = passthrough.mountpoint
     (root / "f").write_bytes(b"A" * MiB)
     first = open(root / "f", "rb", buffering=0)
@@ -350,7 +350,7 @@ def test_readers_arriving_while_a_writer_waits_let_it_through(passthrough: KvfsM
 
     writer = threading.Thread(target=write)
     writer.start()
-    time.sleep(0.2)  # the writer is waiting for `first`
+    time.sleep(0.2)  # the writer is open beside `first`
     late = threading.Thread(target=read_late)
     late.start()
     time.sleep(0.3)

@@ -137,7 +137,10 @@ def test_damaged_block_fails_its_load_then_misses_and_others_load_exact(
     # vLLM's batched load stops at the failing block; the rest of the job is not loaded.
     assert damaged["failed"] == list(range(victim, 16))
     assert damaged["loaded"] == BLOCKS - len(damaged["failed"])
-    assert all("Input/output error" in error for error in damaged["errors"]), damaged["errors"]
+    # EIO at the open's check (passthrough), or a short read where the daemon serves each
+    # block (the kernel hands on the part read before the damaged block's EIO)
+    assert all("Input/output error" in error or "hort read" in error or "hort-read" in error
+               for error in damaged["errors"]), damaged["errors"]
     assert stats(kvfs.mountpoint)["checksum_errors"] == 1
     assert wait_for(lambda: len(tier_files(root)) == BLOCKS), "the damaged block is dropped"
 
