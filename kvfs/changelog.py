@@ -1,6 +1,6 @@
 """The embedded engine's change log: every answered change, in order, until LMDB holds it.
 
-A change of the embedded engine (kvfs/engine.py) is answered as soon as it is visible in
+A change of the embedded engine (kvfs/lmdb_engine.py) is answered as soon as it is visible in
 memory and written here; the committer then moves changes into LMDB in synced groups. The log
 is what makes an answered change survive the daemon's death (its writes sit in the page cache,
 which outlives the process); a change in LMDB needs it no more.

@@ -21,7 +21,6 @@ import trio
 from kvfs import tuning
 from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
-from kvfs.engine import LoopChanges
 from kvfs.files import FileTable
 from kvfs.files.spares import SpareMode
 from kvfs.fuse_ops import KernelNotifier, KvfsOperations
@@ -39,6 +38,7 @@ from kvfs.stats import Stats
 from kvfs.verify import VerifyMode
 from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 from kvfs.volume_helper import VolumeHelper
+from kvfs.write_behind import WritesBehind
 
 log = logging.getLogger("kvfs")
 
@@ -145,7 +145,7 @@ class Daemon:
                                on_attributes_changed=self.notifier.attributes_changed,
                                on_removed=self.notifier.names_removed)
         self.session.on_lost = self.files.session_lost
-        if config.write_behind_ms and isinstance(self.meta.engine, LoopChanges):
+        if config.write_behind_ms and isinstance(self.meta.engine, WritesBehind):
             self.files.write_behind = self.meta.engine.write_behind(
                 config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)
         self.files.verifier.load(self.volume.verified_path(self.shared))

@@ -25,9 +25,10 @@ from typing import Any
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
+from kvfs.caller import Caller
 from kvfs.control import ControlFiles
 from kvfs.data import BLOCK_SIZE
-from kvfs.files import Caller, FileTable
+from kvfs.files import FileTable
 from kvfs.kernel_inodes import KernelInodes
 from kvfs.meta import NAME_MAX, Inode, MetaStore, Removed
 from kvfs.offloop import MetaCalls, off_loop

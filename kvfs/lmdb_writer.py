@@ -1,6 +1,6 @@
 """The LMDB writer: a process of its own that moves the embedded engine's changes into LMDB.
 
-The embedded engine (kvfs/engine.py) answers a change once it is in memory and in the change
+The embedded engine (kvfs/lmdb_engine.py) answers a change once it is in memory and in the change
 log; its committer thread then moves each group of changes into LMDB in one synced
 transaction. That work is done here, in a child process, not in the daemon: py-lmdb releases
 the GIL around every get and put, so a committer in the daemon's process and the request loop
@@ -34,6 +34,7 @@ from pathlib import Path
 import lmdb
 
 import kvfs
+from kvfs.lmdb_env import layer_of, open_environment, write_layer
 
 _REQUEST = struct.Struct("<QI")
 _LENGTH = struct.Struct("<I")
@@ -159,8 +160,6 @@ def _payloads(body: bytes) -> list[bytes]:
 def serve(path: Path, map_size: int, families: tuple[str, ...]) -> None:
     """The child: apply each group it is sent, in one synced transaction, until its input
     ends."""
-    from kvfs.engine import layer_of, open_environment, write_layer  # (engine imports this)
-
     hold_writer_lock(path)  # (until it exits)
     env, dbs = open_environment(path, families, map_size)
     try:

@@ -8,7 +8,7 @@ when it resumes:
 - volume I/O larger than a single small syscall, and hashing.
 
 Worker threads read and write only what they are handed and what the engines and the volume
-hold; the committer thread (kvfs/engine.py) only moves answered changes into LMDB. Metadata
+hold; the committer thread (kvfs/lmdb_engine.py) only moves answered changes into LMDB. Metadata
 reads and changes of the embedded engine are memory-mapped lookups and one append to its
 change log, microseconds: they run on the loop (`MetaCalls`), while on a shared engine they
 are round trips and go to a worker.
@@ -98,26 +98,3 @@ class MetaCalls:
             return function(*args, **kwargs)
         except ChangesPending:
             raise fail(errno.ENOSPC) from None  # the engine is not applying them: full
-
-
-class QuickLock:
-    """A lock for tasks whose acquire, when the lock is free, is no checkpoint and touches
-    nothing of trio's. A request's handler that never suspends is answered by the task that
-    read it (kvfs's pyfuse3 wakes another reader only for handlers that wait): a free
-    per-handle lock must not make every flush a scheduler pass and a reader's wake-up.
-    Waiters are woken in turn."""
-
-    def __init__(self) -> None:
-        self._held = False
-        self._waiters = trio.lowlevel.ParkingLot()
-
-    async def __aenter__(self) -> None:
-        if self._held:
-            while self._held:  # (each release wakes one waiter, which may find it taken)
-                await self._waiters.park()
-        self._held = True
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._held = False
-        if self._waiters:
-            self._waiters.unpark()

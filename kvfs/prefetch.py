@@ -36,10 +36,10 @@ import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import trio
 
+from kvfs.caller import Caller
 from kvfs.data import ChecksumError, DataStore
 from kvfs.meta import Inode, MetaStore
 from kvfs.offloop import MetaCalls
@@ -47,9 +47,6 @@ from kvfs.passthrough import wholly_resident
 from kvfs.sessions import Session
 from kvfs.stats import Stats
 from kvfs.verify import Verifier, VerifyMode
-
-if TYPE_CHECKING:  # (kvfs/files/state.py builds the prefetcher: no import at run time)
-    from kvfs.files.state import Caller
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvfs.data import DataStore
-from kvfs.engine import LoopChanges
 from kvfs.meta import MetaStore
 from kvfs.volume import Volume, boot_id
+from kvfs.write_behind import WritesBehind
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def reap_session(meta: MetaStore, data: DataStore, volume: Volume, session: byte
     same_boot = record.get("boot") == boot_id()
     sender = bytes.fromhex(record.get("engine", ""))
     recovered = unrecovered = 0
-    if sender and directory.is_dir() and isinstance(meta.engine, LoopChanges):
+    if sender and directory.is_dir() and isinstance(meta.engine, WritesBehind):
         recovered, unrecovered = meta.engine.replay_behind(directory, sender, same_boot)
         if recovered or unrecovered:
             log.warning("session %s: %d metadata changes it had answered ahead of Redis "

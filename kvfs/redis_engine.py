@@ -1,6 +1,6 @@
 """The shared metadata engine: Redis, for a pool that several hosts mount at once.
 
-The same families of ordered byte keys as the embedded engine (kvfs/engine.py), laid out so
+The same families of ordered byte keys as the embedded engine (kvfs/lmdb_engine.py), laid out so
 that hosts rarely contend (JuiceFS on Redis is the model). Keys, all under one hash tag
 (`{kvfs}`, so that a Redis Cluster keeps them on one node):
 
@@ -751,7 +751,7 @@ class RedisEngine:
         self.loop_connection = LoopConnection(url)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
-        self.behind: WriteBehind | None = None  # (`write_behind`)
+        self.behind: WriteBehind[_Change] | None = None  # (`write_behind`)
         self._changed: Callable[[str, bytes], None] | None = None  # (`watch`'s callback)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
@@ -869,7 +869,7 @@ class RedisEngine:
             self._came_back()
         return result
 
-    def _answer_ahead(self, txn: _Change, behind: WriteBehind) -> None:
+    def _answer_ahead(self, txn: _Change, behind: WriteBehind[_Change]) -> None:
         """Answer `txn` before Redis has it: it joins the write-behind queue."""
         written, moment = txn.cached_writes()
         behind.queue(txn)
@@ -1004,7 +1004,7 @@ class RedisEngine:
     # -- write-behind ----------------------------------------------------------------------
 
     def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
-                     journal: Path) -> WriteBehind:
+                     journal: Path) -> WriteBehind[_Change]:
         self.behind = WriteBehind(self, gather_seconds, sync_volume, ChangeLog(journal))
         return self.behind
 

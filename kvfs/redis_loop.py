@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlparse
 import hiredis
 import trio
 
-from kvfs.offloop import QuickLock
+from kvfs.quick_lock import QuickLock
 
 CONNECT_TIMEOUT = 1.0  # seconds (also the threads' redis-py client's)
 REQUEST_TIMEOUT = 2.0

@@ -25,7 +25,8 @@ from pathlib import Path
 import lmdb
 
 from kvfs.data import DataStore
-from kvfs.engine import Engine, LmdbEngine
+from kvfs.engine import Engine
+from kvfs.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, MetaStore
 from kvfs.records import FsError
 

@@ -53,15 +53,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 from kvfs.changelog import ChangeLog
 from kvfs.records import FsError
 
-if TYPE_CHECKING:
-    from kvfs.redis_engine import RedisEngine, _Change
-
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CLOSE_SECONDS = 8.0  # at unmount, for the queue to reach Redis
 RETRY_SECONDS = 0.5  # after a batch Redis did not take
@@ -70,10 +70,77 @@ RETRY_SECONDS = 0.5  # after a batch Redis did not take
 STALE, APPLIED, TAKEN = 0, 1, 2
 
 
-class WriteBehind:
+class Answered(Protocol):
+    """A change answered ahead of Redis (the shared engine's transaction): what the queue
+    reads of it."""
+
+    @property
+    def function(self) -> Callable[[Self], object] | None:
+        """What made the change, to make it again (`_redo`)."""
+        ...
+
+    def journaled(self) -> bytes:
+        """Its entry in the journal."""
+        ...
+
+    def record_writes(self) -> list[tuple[bytes, bytes | None]]:
+        """(Redis key, value or None) of each record it writes (counters aside)."""
+        ...
+
+
+C = TypeVar("C", bound=Answered)
+
+
+class BatchEngine(Protocol[C]):
+    """The engine whose changes the queue sends (the shared one, kvfs/redis_engine.py): what
+    the queue calls."""
+
+    def change(self, change: Callable[[C], T]) -> T:
+        """Make a change the long way (a worker's), committed before it returns."""
+        ...
+
+    def commit_batch(self, batch: list[C], token: bytes) -> list[int]:
+        """Check and apply `batch` in one step: STALE, APPLIED or TAKEN per change."""
+        ...
+
+    def forget_ahead(self, change: C) -> None:
+        """What `change` wrote, held otherwise by Redis now: out of the engine's cache."""
+        ...
+
+    def unsee_ahead(self, change: C) -> None:
+        """... and out of this host's kernel."""
+        ...
+
+    def unreachable(self) -> bool:
+        """Whether the last request found Redis unreachable."""
+        ...
+
+
+@runtime_checkable
+class WritesBehind(Protocol):
+    """An engine that answers changes ahead of its store (the shared one): what the daemon
+    and the reaper ask of it."""
+
+    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
+                     journal: Path) -> WriteBehind[Any]:
+        """Answer changes ahead of the pool from now on, sent in batches every
+        `gather_seconds`, journaled in the directory `journal` (the session's staging
+        directory); `sync_volume` flushes the data volume before a batch that follows
+        closes. Returns the queue (closes leave their data's sync to it)."""
+        ...
+
+    def replay_behind(self, directory: Path, sender: bytes, same_boot: bool
+                      ) -> tuple[int, int]:
+        """(reaping a dead session) Apply what its write-behind journal in `directory`
+        holds that Redis lacks, unless it comes from another boot; delete the journal.
+        Returns (applied, not applied)."""
+        ...
+
+
+class WriteBehind(Generic[C]):
     """The queue of changes answered ahead of Redis, and the thread that sends it."""
 
-    def __init__(self, engine: RedisEngine, gather_seconds: float,
+    def __init__(self, engine: BatchEngine[C], gather_seconds: float,
                  sync_volume: Callable[[], None], journal: ChangeLog) -> None:
         self.engine = engine
         self.journal = journal  # (the loop appends, the sender releases: under `_cond`)
@@ -81,8 +148,8 @@ class WriteBehind:
         self.sync_volume = sync_volume
         self.records: dict[bytes, bytes | None] = {}  # what the queue wrote, newest value
         self._written_by: dict[bytes, int] = {}  # record -> the last change that wrote it
-        self._queue: list[_Change] = []
-        self._sending: list[_Change] = []  # the batch on its way: changes _settled + 1 ...
+        self._queue: list[C] = []
+        self._sending: list[C] = []  # the batch on its way: changes _settled + 1 ...
         self._answered = self._settled = 0  # changes answered; of those, in Redis
         self._unsynced = self._synced = 0  # closes that left their data's sync to a batch
         self._hurry = False  # a caller waits: send without gathering
@@ -104,7 +171,7 @@ class WriteBehind:
         """Nothing queued, no data waiting for a sync: a change may commit directly."""
         return not self._queue and self._synced >= self._unsynced
 
-    def queue(self, change: _Change) -> None:
+    def queue(self, change: C) -> None:
         """(the loop) `change` is answered: it goes with the next batch, and this host reads
         its writes from now on."""
         with self._cond:
@@ -208,8 +275,8 @@ class WriteBehind:
             for change in read_again:
                 self.engine.unsee_ahead(change)
 
-    def _send_until_taken(self, batch: list[_Change], unsynced: int, token: bytes
-                          ) -> list[_Change] | None:
+    def _send_until_taken(self, batch: list[C], unsynced: int, token: bytes
+                          ) -> list[C] | None:
         """Sync the volume if closes wait for it, then send `batch` until Redis takes it,
         with the same `token` each time (a try whose reply never came may have been applied:
         the script then answers as it did, applying nothing twice); the changes whose records
@@ -253,7 +320,7 @@ class WriteBehind:
         except OSError as error:
             log.error("syncing the volume failed: %s", error)
 
-    def _send(self, batch: list[_Change], token: bytes) -> list[_Change]:
+    def _send(self, batch: list[C], token: bytes) -> list[C]:
         """One batch: the changes in one script; those whose records Redis holds otherwise
         than they were answered: made again (redone or lost), or taken by the host that
         reaped this session while this one stalled (applied from the journal, or found
@@ -272,7 +339,7 @@ class WriteBehind:
             self._redo(change)
         return redone + taken
 
-    def _redo(self, change: _Change) -> None:
+    def _redo(self, change: C) -> None:
         """A queued change that Redis found stale: made again from what Redis holds."""
         try:
             if change.function is not None:

@@ -10,6 +10,7 @@ step: no committed blob file changed in place, and the counters equal a recount.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -38,13 +39,17 @@ def mount(request: pytest.FixtureRequest, make_mount) -> KvfsMount:
 
 
 def committed_blobs(kvfs: KvfsMount) -> dict[Path, str]:
-    return {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in blob_files(kvfs)}
+    found = {}
+    for path in blob_files(kvfs):
+        with contextlib.suppress(FileNotFoundError):  # (retired meanwhile)
+            found[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
 
 
 def assert_blobs_unchanged(kvfs: KvfsMount, before: dict[Path, str]) -> None:
     """Committed blob files are never written in place: each is as it was or gone."""
     for path, digest in before.items():
-        if path.exists():
+        with contextlib.suppress(FileNotFoundError):  # (deleted: retired, never rewritten)
             assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, path
 
 

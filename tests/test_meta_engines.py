@@ -35,17 +35,10 @@ import xxhash
 from conftest import wait_for
 
 from kvfs.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode, encode
-from kvfs.engine import (
-    APPLIED_KEY,
-    Engine,
-    LmdbEngine,
-    RoundTripNeeded,
-    Txn,
-    layer_of,
-    open_environment,
-    write_layer,
-)
+from kvfs.engine import Engine, RoundTripNeeded, Txn
 from kvfs.fsck import recount
+from kvfs.lmdb_engine import LmdbEngine
+from kvfs.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
     FAMILIES,
@@ -1235,7 +1228,7 @@ def test_holds_and_sessions_across_hosts(pool: tuple[MetaStore, MetaStore]) -> N
 LOG_WRITER = """
 import os, stat, sys
 from pathlib import Path
-from kvfs.engine import LmdbEngine
+from kvfs.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
 meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
 meta.engine.sync()  # (the format record)
@@ -1368,7 +1361,7 @@ def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
 STOPPED_WRITER = """
 import os, signal, sys, time
 from pathlib import Path
-from kvfs.engine import LmdbEngine
+from kvfs.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 engine = LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE)
 for _ in range(250):
@@ -1520,7 +1513,7 @@ def test_without_an_lmdb_writer_process_changes_land_all_the_same(
 BUSY_WRITER = """
 import stat, sys, time
 from pathlib import Path
-from kvfs.engine import LmdbEngine
+from kvfs.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
 meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
 meta.engine.sync()
@@ -1618,7 +1611,7 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
     LMDB, and a name LMDB does hold, removed, made again and removed again in one group: the
     group goes to the LMDB writer process as one transaction, and after a reopen, which reads
     LMDB alone, the names are exactly those left."""
-    monkeypatch.setattr("kvfs.engine.COMMIT_GATHER_SECONDS", 0.5)  # one group for them all
+    monkeypatch.setattr("kvfs.lmdb_engine.COMMIT_GATHER_SECONDS", 0.5)  # one group for them all
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
         meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)

@@ -39,7 +39,7 @@ from conftest import (
 from test_crash import fsck_clean
 from test_passthrough import errno_of, read_all
 
-from kvfs.engine import LmdbEngine
+from kvfs.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 from kvfs.records import SUMS_PENDING
 

@@ -47,11 +47,11 @@ from typing import NoReturn
 
 import trio
 
+from kvfs.caller import Caller
 from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
 from kvfs.files.policy import shares_kernel_inode
 from kvfs.files.state import (
     Backing,
-    Caller,
     Handle,
     Opened,
     OpenInode,
@@ -71,7 +71,7 @@ RETRY_SECONDS = 1.0  # an open refused (ESTALE) this recently by the same thread
 RETRY_WAIT_SECONDS = 2.0  # how long a retry waits for its kernel inode before a refusal
 REFUSALS_KEPT = 1024
 
-__all__ = ["Caller", "FileTable", "Handle", "Opened"]
+__all__ = ["FileTable", "Handle", "Opened"]
 
 
 class FileTable(WritingOps):

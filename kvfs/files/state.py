@@ -11,13 +11,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
-from pathlib import Path
 from typing import TypeVar
 
 import trio
 from pyfuse3 import FileInfo
 
 from kvfs.cache import BlockCache
+from kvfs.caller import Caller
 from kvfs.data import (
     DataStore,
     StagedFile,
@@ -27,9 +27,10 @@ from kvfs.files.spares import SpareFiles
 from kvfs.kernel_inodes import KernelInodes
 from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
-from kvfs.offloop import MetaCalls, QuickLock
+from kvfs.offloop import MetaCalls
 from kvfs.passthrough import Passthrough
 from kvfs.prefetch import Prefetcher
+from kvfs.quick_lock import QuickLock
 from kvfs.records import BlobInfo, fail
 from kvfs.sessions import Session
 from kvfs.space import Space
@@ -113,40 +114,6 @@ class Opened:
         info.backing_id = self.backing_id
         info.noflush = self.read_only  # its close has nothing to commit: no FLUSH round trip
         return info
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who makes a request: root (CAP_FSETID: writes keep setuid/setgid) or a user."""
-
-    uid: int
-    gid: int
-    pid: int  # the calling thread
-
-    def _status(self) -> dict[str, str]:
-        """The calling thread's /proc status fields (empty if it is gone)."""
-        try:
-            lines = Path(f"/proc/{self.pid}/status").read_text().splitlines()
-        except OSError:
-            return {}
-        return dict(line.split(":", 1) for line in lines if ":" in line)
-
-    def process_and_command(self) -> tuple[int, str]:
-        """The caller's process (thread group: threads of one process share its opens) and
-        the calling thread's command name (`ls`, `python3`; "" if the thread is gone)."""
-        status = self._status()
-        try:
-            process = int(status["Tgid"])
-        except (KeyError, ValueError):
-            process = self.pid
-        return process, status.get("Name", "").strip()
-
-    def process(self) -> int:
-        return self.process_and_command()[0]
-
-    def in_group(self, gid: int) -> bool:
-        """Asked only when a write may clear setgid: supplementary groups are in /proc."""
-        return gid == self.gid or str(gid) in self._status().get("Groups", "").split()
 
 
 def privileges_to_clear(inode: Inode, caller: Caller, chown: bool = False) -> int:

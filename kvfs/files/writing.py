@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import trio
 
+from kvfs.caller import Caller
 from kvfs.data import (
     StagedFile,
     writable_length,
@@ -21,7 +22,6 @@ from kvfs.data import (
 from kvfs.files.retiring import RetiringOps
 from kvfs.files.state import (
     BLOB_ID_BATCH,
-    Caller,
     Handle,
     T,
     privileges_to_clear,

@@ -1,5 +1,5 @@
 """The metadata store of a kvfs volume, one concern per module, all written once over the
-transactions of a metadata engine (kvfs/engine.py, kvfs/redis_engine.py):
+transactions of a metadata engine (kvfs/lmdb_engine.py, kvfs/redis_engine.py):
 
     schema.py     the key schema (its docstring), records, constants
     base.py       the store's state and the helpers over `Txn` that several concerns share

@@ -3,7 +3,7 @@
 The store (kvfs/meta/) keeps the namespace, attributes, xattrs and blob records of a volume in
 the ordered families of byte keys of a metadata engine (kvfs/engine.py), and its logic is
 written once over the engine's transactions (`Txn`), whichever engine holds them: LMDB,
-embedded in `DATA/meta/` (kvfs/engine.py), or Redis, for a pool that several hosts share
+embedded in `DATA/meta/` (kvfs/lmdb_engine.py), or Redis, for a pool that several hosts share
 (kvfs/redis_engine.py). All integers in keys are 8-byte big-endian so that byte order is
 numeric order.
 
