@@ -23,7 +23,8 @@ from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
 from kvfs.control import snapshot
 from kvfs.files import FileTable
 from kvfs.files.spares import SpareMode
-from kvfs.fuse_ops import KernelNotifier, KvfsOperations
+from kvfs.fuse.notifier import KernelNotifier
+from kvfs.fuse_ops import KvfsOperations
 from kvfs.kernel_inodes import KernelInodes
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
 from kvfs.metrics import serve_metrics

@@ -18,11 +18,7 @@ from pyfuse3 import FileInfo
 
 from kvfs.cache import BlockCache
 from kvfs.caller import Caller
-from kvfs.data import (
-    DataStore,
-    StagedFile,
-    allocated_bytes,
-)
+from kvfs.data import DataStore, allocated_bytes
 from kvfs.files.spares import SpareFiles
 from kvfs.kernel_inodes import KernelInodes
 from kvfs.loads import LoadMeter
@@ -34,6 +30,7 @@ from kvfs.quick_lock import QuickLock
 from kvfs.records import BlobInfo, fail
 from kvfs.sessions import Session
 from kvfs.space import Space
+from kvfs.staged import StagedFile
 from kvfs.stats import Stats
 from kvfs.verify import LateHasher, Verifier, VerifyMode
 from kvfs.volume_helper import VolumeHelper

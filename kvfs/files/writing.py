@@ -15,10 +15,7 @@ from collections.abc import Callable
 import trio
 
 from kvfs.caller import Caller
-from kvfs.data import (
-    StagedFile,
-    writable_length,
-)
+from kvfs.data import writable_length
 from kvfs.files.retiring import RetiringOps
 from kvfs.files.state import (
     BLOB_ID_BATCH,
@@ -29,6 +26,7 @@ from kvfs.files.state import (
 from kvfs.meta import Inode
 from kvfs.offloop import off_loop
 from kvfs.records import BlobInfo, FsError, fail
+from kvfs.staged import StagedFile
 from kvfs.volume_helper import HelperGone, move
 from kvfs.write_behind import WriteBehind
 

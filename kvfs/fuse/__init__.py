@@ -1,1 +1,2 @@
-"""The FUSE layer's support: the binding kvfs runs on (`binding`)."""
+"""The FUSE layer's support: the binding kvfs runs on (`binding`), the notifier that pushes
+cache invalidations to the kernel (`notifier`)."""
