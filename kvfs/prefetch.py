@@ -95,7 +95,6 @@ class Prefetcher:
         self._processes: OrderedDict[int, int | None] = OrderedDict()
         self._unopened: OrderedDict[int, tuple[int, float]] = OrderedDict()  # blob -> bytes, when
         self._direct_readers = 0.0  # share of recent read opens that were O_DIRECT
-        self._opens_seen = False  # (until then, each blob's writer tells)
         self._looked_up_at = 0.0  # the last lookup of a stored chunk (monotonic)
 
     # -- on the request path ---------------------------------------------------------------
@@ -129,7 +128,6 @@ class Prefetcher:
         """A reader (`direct`: an O_DIRECT one) opened `blob_id`: what was prefetched of it was
         used."""
         self._direct_readers = self._direct_readers * (1 - DIRECT_WEIGHT) + DIRECT_WEIGHT * direct
-        self._opens_seen = True
         found = self._unopened.pop(blob_id, None)
         if found is not None:
             self.stats.prefetch_used_bytes += found[0]
@@ -212,10 +210,8 @@ class Prefetcher:
         if blob is None or blob.blob_id != wanted.blob_id or blob.pending:
             return  # replaced, or its sums are not taken yet: the open does it all
         # Readers mostly O_DIRECT (vLLM's tier): the head start is the check alone, read with
-        # O_DIRECT too; there is none where each O_DIRECT open checks anyway (--verify open),
-        # nor for a blob already checked on this host (the page cache would not serve them).
-        # Before any reader opened, the blob's writer tells how it will be read.
-        direct = self._direct_readers > 0.5 if self._opens_seen else blob.direct
+        # O_DIRECT too; there is none where each O_DIRECT open checks anyway (--verify open).
+        direct = self._direct_readers > 0.5
         if direct and self.verifier.mode is VerifyMode.OPEN:
             return
         await self.session.hold(blob.blob_id)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 BLOB_RECORD = struct.Struct("<QQQII")
 SUMS_COMPRESSED = 1  # blob record flag: the sums are zlib-compressed (large sparse files)
 SUMS_PENDING = 2  # blob record flag: written by the kernel, block sums not taken yet
-WRITTEN_DIRECT = 4  # blob record flag: its writer wrote it O_DIRECT (so will its readers read)
 SUMS_COMPRESS_FROM = 64 << 10
 
 
@@ -40,11 +39,9 @@ class BlobInfo:
     block_size: int
     sums: array  # xxh3-64 of each block (empty while pending)
     pending: bool = False  # the sums are taken after the commit (kernel-written blobs)
-    direct: bool = False  # written O_DIRECT: its readers likely read it O_DIRECT too
 
     def pack(self) -> bytes:
-        sums = self.sums.tobytes()
-        flags = (SUMS_PENDING if self.pending else 0) | (WRITTEN_DIRECT if self.direct else 0)
+        sums, flags = self.sums.tobytes(), SUMS_PENDING if self.pending else 0
         if len(sums) >= SUMS_COMPRESS_FROM:  # mostly holes: one repeated sum
             sums, flags = zlib.compress(sums, 1), flags | SUMS_COMPRESSED
         return BLOB_RECORD.pack(self.ino, self.size, self.allocated, self.block_size, flags) + sums
@@ -55,5 +52,4 @@ class BlobInfo:
         packed = bytes(raw[BLOB_RECORD.size:])
         sums = array("Q")
         sums.frombytes(zlib.decompress(packed) if flags & SUMS_COMPRESSED else packed)
-        return cls(blob_id, ino, size, allocated, block_size, sums, bool(flags & SUMS_PENDING),
-                   bool(flags & WRITTEN_DIRECT))
+        return cls(blob_id, ino, size, allocated, block_size, sums, bool(flags & SUMS_PENDING))

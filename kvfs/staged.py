@@ -52,7 +52,6 @@ class StagedFile:
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
         self.changed = False  # nothing to commit until a write or truncate lands
-        self.direct = False  # its writer writes O_DIRECT (recorded with the blob)
         self.committed = False
         self.published = False
         self._finished: BlobInfo | None = None
@@ -274,7 +273,7 @@ class StagedFile:
         if self.store.fsync and sync:
             os.fdatasync(self.fd)
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
-                                  pending, self.direct)
+                                  pending)
         return self._finished
 
     def mark_committed(self) -> None:

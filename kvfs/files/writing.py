@@ -200,7 +200,6 @@ class WritingOps(RetiringOps):
         # Marked and held by the commit itself: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
         self._publishing.add(staged.blob_id)
-        staged.direct = handle.direct
         holder = self.session.hold_committing(staged.blob_id)
         try:
             later = staged.hashes_later(handle.backing)
