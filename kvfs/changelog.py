@@ -17,9 +17,9 @@ zeros.
              the delta applies). One C call each way: the loop encodes every change it
              answers.
 
-Records of kvfs before that (magic MAGIC_ENTRIES) hold entries instead: family (u8 length
+Records of the entries format (magic MAGIC_ENTRIES) hold entries instead: family (u8 length
 + name), key (u16 length + bytes), kind (u8): PUT (+ u32 length + value), DELETE, ADD (+ i64
-delta). Replay reads both, so that a log left by a crash of the previous version is applied.
+delta). Replay reads both formats, so that a log in either is applied.
 
 Sequence numbers follow each other without gaps. Replay reads the segments in order; a torn
 or damaged record ends its segment (an append that failed goes on in a new one) and a gap in
@@ -47,7 +47,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 MAGIC = 0x6B766C32  # "kvl2": a marshal payload
-MAGIC_ENTRIES = 0x6B766C67  # "kvlg": a payload of entries (written by kvfs before marshal)
+MAGIC_ENTRIES = 0x6B766C67  # "kvlg": a payload of entries (read, never written)
 MARSHAL_VERSION = 4
 _HEADER = struct.Struct("<IQIQ")
 _FAMILY = struct.Struct("<B")

@@ -8,10 +8,7 @@ SPARES_BATCH at a time, each named for a blob id taken ahead, and sends their de
 back in one message; up to SPARES_KEPT wait here. A spare is an empty staged file like any
 other: the commit of the writer that takes it names its blob; unused ones are deleted at
 unmount, and after a crash the next mount's recovery deletes them as it deletes every staged
-file no commit names. (Until the twenty-fifth round spares were unnamed files, `O_TMPFILE`,
-made by a worker thread and linked into staging/ at their commit: the worker's GIL hand-offs
-cost more than the creates where those are quick, so they were made only where creates were
-slow, and each commit made one more system call.)
+file no commit names.
 
 Where the helper makes none (it ended; the volume refuses: no inodes, no room), a writer
 creates its own staged file on the loop. `--spares off`: none are made.
