@@ -238,7 +238,7 @@ class KvfsOperations(pyfuse3.Operations):
     def _told(self, entry: EntryAttributes) -> EntryAttributes:
         """An entry on its way to the kernel, which counts it as a lookup of its node id."""
         if entry.st_ino:
-            self.kernel.looked_up(getattr(entry, "nodeid", entry.st_ino))
+            self.kernel.looked_up(entry.nodeid)
         return entry
 
     def _refuse_control(self, *places: tuple[int, bytes]) -> None:

@@ -41,9 +41,6 @@ class KernelInodes:
         """The node id to tell the kernel for `ino` now."""
         return self._current.get(ino, ino)
 
-    def is_current(self, nodeid: int) -> bool:
-        return self.nodeid(self.ino(nodeid)) == nodeid
-
     def renew(self, ino: int) -> int:
         """Give `ino` a fresh kernel inode: later lookups answer a new node id."""
         alias = next(self._next)
@@ -79,6 +76,3 @@ class KernelInodes:
     def all_of(self, ino: int) -> list[int]:
         """Every node id the kernel may still hold for `ino` (for invalidations)."""
         return [ino, *tuple(self._aliases.get(ino, ()))]
-
-    def aliases(self) -> int:
-        return len(self._alias_of)

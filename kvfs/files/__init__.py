@@ -149,22 +149,17 @@ class FileTable(WritingOps):
         finds its kernel inode taken again (two retries can meet on one lookup) waits a
         short while for it before it is refused."""
         writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if nodeid is None or self._fits(inode, nodeid, writable):
-            return False
-        if self._retrying(caller, inode.ino):
-            if flags & os.O_ACCMODE == os.O_WRONLY:
-                return True
+        if (nodeid is not None and not self._fits(inode, nodeid, writable)
+                and flags & os.O_ACCMODE != os.O_WRONLY and self._retrying(caller, inode.ino)):
             state = self._open[inode.ino]
             with trio.move_on_after(RETRY_WAIT_SECONDS):
                 while not self._fits(inode, nodeid, writable):
                     await state.closed.wait()
-            if self._fits(inode, nodeid, writable):
-                return False
-        self._refuse(inode, nodeid, caller)
+        return self._claim_again(inode, nodeid, flags, caller)
 
     def _claim_again(self, inode: Inode, nodeid: int | None, flags: int, caller: Caller
                      ) -> bool:
-        """`_claim_kernel_inode` at the moment the handle joins, without waiting."""
+        """`_claim_kernel_inode` without waiting: also at the moment the handle joins."""
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if nodeid is None or self._fits(inode, nodeid, writable):
             return False
@@ -224,7 +219,6 @@ class FileTable(WritingOps):
         if self._read_directly.get(handle.nodeid) != inode.version and not keep:
             self._read_directly[handle.nodeid] = inode.version
             return Opened(handle.fh, direct_io=True, keep_cache=keep)
-        handle.page_cache = True
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
     def _keeps_cache(self, handle: Handle) -> bool:

@@ -57,6 +57,8 @@ class RetiringOps(FileState):
 
     def _writer_closed(self) -> None:
         """Doom what waited for a kernel writer that no longer writes into it."""
+        if not self._doomed_when_closed:
+            return
         for blob_id in [blob_id for blob_id in self._doomed_when_closed
                         if not self._kernel_writes_into(blob_id)]:
             self._doomed_when_closed.discard(blob_id)

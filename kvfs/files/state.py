@@ -55,7 +55,6 @@ class Handle:
     direct: bool  # opened O_DIRECT: what the kernel writes for it bypasses the page cache
     nodeid: int | None = None  # its kernel inode (kvfs/kernel_inodes.py); None: kvfs's own
     staged: StagedFile | None = None
-    page_cache: bool = False  # reads go through the kernel page cache (not direct_io)
     backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
     shares_backing: bool = False  # served here, naming its kernel inode's backing file
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
