@@ -2,7 +2,7 @@
 
 import sys
 
-from kvfs.cli import mount_main
+from kvfs.cli.main import mount_main
 
 if __name__ == "__main__":
     sys.exit(mount_main())

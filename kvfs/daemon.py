@@ -1,5 +1,5 @@
 """Mount lifecycle: checks, daemonizing, serving, clean shutdown (the volume's lock and
-recovery are kvfs/volume.py's)."""
+recovery are kvfs/data/volume.py's)."""
 
 from __future__ import annotations
 
@@ -18,28 +18,28 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from kvfs import tuning
-from kvfs.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
-from kvfs.control import snapshot
+from kvfs.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
+from kvfs.data.verify import VerifyMode
+from kvfs.data.volume import DEFAULT_DATA_DIR, Volume, VolumeError
+from kvfs.data.volume_helper import VolumeHelper
+from kvfs.engines.write_behind import WritesBehind
 from kvfs.files import FileTable
+from kvfs.files.kernel_inodes import KernelInodes
+from kvfs.files.passthrough import Passthrough
+from kvfs.files.prefetch import DEFAULT_BUDGET as DEFAULT_PREFETCH_BUDGET
 from kvfs.files.spares import SpareMode
+from kvfs.fuse import tuning
+from kvfs.fuse.control import snapshot
+from kvfs.fuse.mounts import find_mount
 from kvfs.fuse.notifier import KernelNotifier
-from kvfs.fuse_ops import KvfsOperations
-from kvfs.kernel_inodes import KernelInodes
+from kvfs.fuse.operations import KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
-from kvfs.metrics import serve_metrics
-from kvfs.mounts import find_mount
-from kvfs.passthrough import Passthrough
-from kvfs.prefetch import DEFAULT_BUDGET as DEFAULT_PREFETCH_BUDGET
-from kvfs.reaper import recover
+from kvfs.observe.metrics import serve_metrics
+from kvfs.observe.stats import Stats
+from kvfs.pool.reaper import recover
+from kvfs.pool.sessions import DEFAULT_TTL, Session, new_session_id
+from kvfs.pool.space import Space
 from kvfs.records import FsError, fail
-from kvfs.sessions import DEFAULT_TTL, Session, new_session_id
-from kvfs.space import Space
-from kvfs.stats import Stats
-from kvfs.verify import VerifyMode
-from kvfs.volume import DEFAULT_DATA_DIR, Volume, VolumeError
-from kvfs.volume_helper import VolumeHelper
-from kvfs.write_behind import WritesBehind
 
 log = logging.getLogger("kvfs")
 
@@ -276,7 +276,7 @@ class Daemon:
 
 
 def start_volume_helper() -> VolumeHelper | None:
-    """The volume helper process (kvfs/volume_helper.py); None if it cannot start: the loop
+    """The volume helper process (kvfs/data/volume_helper.py); None if it cannot start: the loop
     then creates writers' staged files and publishes their blobs itself."""
     try:
         return VolumeHelper()

@@ -1,6 +1,6 @@
 """A lock for trio tasks that costs nothing while it is free (`QuickLock`): the open-file
 table's per-handle locks (kvfs/files/state.py) and the loop's Redis connection
-(kvfs/redis_loop.py) take it. It imports nothing of kvfs, so that any module may use it.
+(kvfs/engines/redis_loop.py) take it. It imports nothing of kvfs, so that any module may use it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Records and errors that both stores use: the data store (kvfs/data.py) reads and writes
-blobs by their `BlobInfo`, the metadata store (kvfs/meta.py) keeps it; either refuses a request
+"""Records and errors that both stores use: the data store (kvfs/data/store.py) reads and writes
+blobs by their `BlobInfo`, the metadata store (kvfs/meta/) keeps it; either refuses a request
 with `FsError`.
 """
 

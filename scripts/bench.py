@@ -66,7 +66,7 @@ from rich.console import Console
 from rich.table import Table
 from vllm_tier import VLLM_DIR, run_worker
 
-from kvfs.verify import HASH_QUIET_SECONDS
+from kvfs.data.verify import HASH_QUIET_SECONDS
 
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
@@ -431,7 +431,7 @@ class Bench:
         drop_caches()
 
     def cold_prompt(self) -> None:
-        """Prefetch from lookups (kvfs/prefetch.py): a prompt's chunks looked up, then loaded
+        """Prefetch from lookups (kvfs/files/prefetch.py): a prompt's chunks looked up, then loaded
         after a gap or at once; and real LMCache engines, B retrieving A's prefix cold."""
         with self.stage(COLD_PROMPT):
             for run in range(self.plan.runs):

@@ -42,7 +42,7 @@ from bench_io import REPO, KvfsMount
 from rich.console import Console
 from rich.table import Table
 
-from kvfs.fuse_ops import READ_SPIN_US
+from kvfs.fuse.operations import READ_SPIN_US
 
 LIBFUSE = REPO / ".venv" / "libfuse"
 REQUESTS_PER_STORE = 11

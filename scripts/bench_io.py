@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfs.volume import Volume
+from kvfs.data.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

@@ -323,7 +323,7 @@ def start_pool(args: argparse.Namespace, pool: Pool) -> None:
 
 def daemon_pid(data: Path, mountpoint: Path) -> int:
     """The pid of the kvfs daemon serving `mountpoint` in a shared pool (0: not known)."""
-    from kvfs.volume import Volume
+    from kvfs.data.volume import Volume
 
     try:
         return Volume(data).daemon_pid(mountpoint)

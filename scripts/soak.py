@@ -70,9 +70,9 @@ from typing import Any
 
 from local_redis import LocalRedis
 
-from kvfs.changelog import PREFIX as JOURNAL_SEGMENT
-from kvfs.fsck import recount
-from kvfs.volume import Volume
+from kvfs.cli.fsck import recount
+from kvfs.data.volume import Volume
+from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"

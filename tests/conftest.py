@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from lmcache_engines import Engines
 
-from kvfs.changelog import PREFIX as JOURNAL_SEGMENT
-from kvfs.fsck import recount
-from kvfs.volume import Volume
+from kvfs.cli.fsck import recount
+from kvfs.data.volume import Volume
+from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
 # Helpers the tests share with the scripts (a throwaway redis-server); also for test files
@@ -63,10 +63,10 @@ def daemon_pid(data: Path, mountpoint: Path | None = None) -> int:
 
 
 def helper_pid(daemon: int) -> int:
-    """The daemon's volume helper process (kvfs/volume_helper.py)."""
+    """The daemon's volume helper process (kvfs/data/volume_helper.py)."""
     children = Path(f"/proc/{daemon}/task/{daemon}/children").read_text().split()
     (pid,) = [int(child) for child in children
-              if b"kvfs.volume_helper" in Path(f"/proc/{child}/cmdline").read_bytes()]
+              if b"kvfs.data.volume_helper" in Path(f"/proc/{child}/cmdline").read_bytes()]
     return pid
 
 

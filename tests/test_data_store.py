@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvfs.data import BLOCK_SIZE, DataStore
-from kvfs.staged import StagedFile
+from kvfs.data.staged import StagedFile
+from kvfs.data.store import BLOCK_SIZE, DataStore
 
 SIZES = [1, 4096, 100_000, BLOCK_SIZE, BLOCK_SIZE + 7, 3 * BLOCK_SIZE // 2]
 

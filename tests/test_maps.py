@@ -3,7 +3,7 @@
 Every open gets the bytes of its own version through mmap as through pread: a reader the
 version it opened, a writer its own staged copy. Opens that cannot share the kernel inode
 already holding other opens of the file are moved to a fresh kernel inode
-(kvfs/kernel_inodes.py). Checked on one host with passthrough, without it, and on a Redis
+(kvfs/files/kernel_inodes.py). Checked on one host with passthrough, without it, and on a Redis
 pool; readers and writers in processes of their own where the case names them. After every
 step: no committed blob file changed in place, and the counters equal a recount.
 """

@@ -34,11 +34,14 @@ import trio
 import xxhash
 from conftest import wait_for
 
-from kvfs.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode, encode
-from kvfs.engine import Engine, RoundTripNeeded, Txn
-from kvfs.fsck import recount
-from kvfs.lmdb_engine import LmdbEngine
-from kvfs.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
+from kvfs.cli.fsck import recount
+from kvfs.data.volume import Volume, VolumeError
+from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode, encode
+from kvfs.engines.interface import Engine, RoundTripNeeded, Txn
+from kvfs.engines.lmdb_engine import LmdbEngine
+from kvfs.engines.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
+from kvfs.engines.redis_engine import RecordCache, RedisEngine, _Cached, _Change, _record_key
+from kvfs.engines.write_behind import APPLIED, TAKEN
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
     FAMILIES,
@@ -56,9 +59,6 @@ from kvfs.meta import (
     u64,
 )
 from kvfs.records import BlobInfo, FsError
-from kvfs.redis_engine import RecordCache, RedisEngine, _Cached, _Change, _record_key
-from kvfs.volume import Volume, VolumeError
-from kvfs.write_behind import APPLIED, TAKEN
 
 UID, GID = 1000, 1000
 FILE = stat.S_IFREG | 0o644
@@ -1228,7 +1228,7 @@ def test_holds_and_sessions_across_hosts(pool: tuple[MetaStore, MetaStore]) -> N
 LOG_WRITER = """
 import os, stat, sys
 from pathlib import Path
-from kvfs.lmdb_engine import LmdbEngine
+from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
 meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
 meta.engine.sync()  # (the format record)
@@ -1323,7 +1323,7 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
 
 def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
     """A change's writes in the change log's entries format (kvfs before marshal payloads),
-    as kvfs/changelog.py documents it."""
+    as kvfs/engines/changelog.py documents it."""
     out = bytearray()
     for family, keys in writes.items():
         for key, (value, delta) in keys.items():
@@ -1361,7 +1361,7 @@ def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
 STOPPED_WRITER = """
 import os, signal, sys, time
 from pathlib import Path
-from kvfs.lmdb_engine import LmdbEngine
+from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 engine = LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE)
 for _ in range(250):
@@ -1445,7 +1445,7 @@ def test_an_lmdb_writer_that_never_ends_fails_the_open_with_a_clear_error(
     the lock is free."""
     volume = Volume(tmp_path)
     volume.open_metadata().close()
-    monkeypatch.setattr("kvfs.lmdb_writer.WRITER_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr("kvfs.engines.lmdb_writer.WRITER_WAIT_SECONDS", 0.3)
     holder = os.open(volume.meta_dir / "writer.lock", os.O_RDWR)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
@@ -1491,7 +1491,7 @@ def test_without_an_lmdb_writer_process_changes_land_all_the_same(
     its changes into LMDB itself, in its committer thread."""
     def refused(self: object) -> None:
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr("kvfs.lmdb_writer.LmdbWriter._start", refused)
+    monkeypatch.setattr("kvfs.engines.lmdb_writer.LmdbWriter._start", refused)
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
         assert meta.engine.writer is None
@@ -1513,7 +1513,7 @@ def test_without_an_lmdb_writer_process_changes_land_all_the_same(
 BUSY_WRITER = """
 import stat, sys, time
 from pathlib import Path
-from kvfs.lmdb_engine import LmdbEngine
+from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
 meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
 meta.engine.sync()
@@ -1611,7 +1611,8 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
     LMDB, and a name LMDB does hold, removed, made again and removed again in one group: the
     group goes to the LMDB writer process as one transaction, and after a reopen, which reads
     LMDB alone, the names are exactly those left."""
-    monkeypatch.setattr("kvfs.lmdb_engine.COMMIT_GATHER_SECONDS", 0.5)  # one group for them all
+    # one group for them all
+    monkeypatch.setattr("kvfs.engines.lmdb_engine.COMMIT_GATHER_SECONDS", 0.5)
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
         meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)

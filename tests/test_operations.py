@@ -24,7 +24,7 @@ from conftest import (
     wait_for,
 )
 
-from kvfs.stats import LATENCY_BOUNDS_US
+from kvfs.observe.stats import LATENCY_BOUNDS_US
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"

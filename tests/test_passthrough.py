@@ -239,7 +239,7 @@ def write_in_another_process(path: Path, letter: str, count: int) -> float:
 
 def test_a_writer_beside_passthrough_readers_opens_at_once(passthrough: KvfsMount) -> None:
     """A writer of a file that passthrough readers hold (in another process or its own)
-    opens at once on a kernel inode of its own (kvfs/kernel_inodes.py), and the readers keep
+    opens at once on a kernel inode of its own (kvfs/files/kernel_inodes.py), and the readers keep
     the version they opened, whole."""
     root = passthrough.mountpoint
     (root / "f").write_bytes(b"B" * MiB)

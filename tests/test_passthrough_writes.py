@@ -39,7 +39,7 @@ from conftest import (
 from test_crash import fsck_clean
 from test_passthrough import errno_of, read_all
 
-from kvfs.lmdb_engine import LmdbEngine
+from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
 from kvfs.records import SUMS_PENDING
 
@@ -274,7 +274,7 @@ def read_in_another_process(path: Path) -> tuple[bytes, float, float]:
 def test_opens_beside_a_kernel_writer_pass_through_at_once(roomy: KvfsMount) -> None:
     """The kernel writes into the maker's staged file. Another open of the file, in another
     process or the maker's own, is answered at once on a kernel inode of its own
-    (kvfs/kernel_inodes.py): a reader passes through the committed version, a second
+    (kvfs/files/kernel_inodes.py): a reader passes through the committed version, a second
     writer writes its own copy; never EBUSY, never a wait."""
     root = roomy.mountpoint
     (root / "g").write_bytes(b"0")
@@ -475,7 +475,7 @@ def test_sums_are_taken_after_close_and_guard_the_data(roomy: KvfsMount) -> None
 
 def test_sums_wait_while_kernel_writers_keep_committing(roomy: KvfsMount) -> None:
     """Reading back what O_DIRECT writers wrote would take the volume from them: the late
-    sums wait until commits pause (kvfs/verify.py, HASH_QUIET_SECONDS = 0.5 s; here they
+    sums wait until commits pause (kvfs/data/verify.py, HASH_QUIET_SECONDS = 0.5 s; here they
     come every 20 ms), then all are taken. Readers the kernel serves open such blobs
     without their sums (buffered and O_DIRECT): the sums would come from the same volume."""
     root = roomy.mountpoint
@@ -521,7 +521,7 @@ def write_direct(path: Path, payload: bytes) -> None:
 
 def mark_pending(data: Path, blob_ids: list[int], rebooted: bool) -> None:
     """What a crash between a kernel writer's close and the taking of its sums leaves:
-    the blob records flagged pending, without sums, listed in `pending` (kvfs/meta.py);
+    the blob records flagged pending, without sums, listed in `pending` (kvfs/meta/);
     `rebooted`: the boot recorded by the last mount is another one."""
     env = lmdb.open(str(data / "meta"), max_dbs=16)
     blobs, pending = env.open_db(b"blob"), env.open_db(b"pending")

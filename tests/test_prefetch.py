@@ -1,4 +1,4 @@
-"""Prefetch from lookups (kvfs/prefetch.py): an engine's burst of lookups of stored chunks
+"""Prefetch from lookups (kvfs/files/prefetch.py): an engine's burst of lookups of stored chunks
 starts reading and verifying them before it opens them; listings and single stats do not;
 an open joins a prefetch in flight; nothing unverified reaches a reader; the budget holds.
 """

@@ -1,4 +1,4 @@
-"""The trio loop's own Redis connection (kvfs/redis_loop.py), against a real redis-server:
+"""The trio loop's own Redis connection (kvfs/engines/redis_loop.py), against a real redis-server:
 requests from many tasks share it (pipelined), and each gets its own reply, also across a
 connection the server drops and a server that is down."""
 
@@ -14,7 +14,7 @@ import trio
 import trio.testing
 from local_redis import LocalRedis
 
-from kvfs.redis_loop import LoopConnection, LoopConnectionError
+from kvfs.engines.redis_loop import LoopConnection, LoopConnectionError
 
 TASKS = 64
 

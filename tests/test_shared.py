@@ -43,8 +43,8 @@ from conftest import (
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
 from local_redis import LocalRedis, free_port
 
+from kvfs.engines.redis_engine import RedisEngine
 from kvfs.meta import ROOT_INO, MetaStore
-from kvfs.redis_engine import RedisEngine
 
 MiB = 1 << 20
 # Other hosts' changes show within 100 ms (README, measured by scripts/bench_shared.py); the
@@ -158,7 +158,7 @@ def churn(root: str, seed: int, seconds: float, errors: multiprocessing.Queue) -
 
 
 # Write-behind answers creates, renames and closes before Redis has them: here it meets
-# every conflict another host's change can make (kvfs/write_behind.py).
+# every conflict another host's change can make (kvfs/engines/write_behind.py).
 WRITE_BEHIND = pytest.mark.parametrize("behind", [(), ("--write-behind", "5")],
                                        ids=["direct", "write-behind"])
 

@@ -11,14 +11,14 @@ a write handle fills a private staged blob that its flush (close) commits in one
 transaction. Concurrent writers of one name each have their own blob; the last to close wins.
 Hashing, the metadata commit and publishing run in worker threads: requests keep flowing.
 
-The kernel's inodes (kvfs/kernel_inodes.py, kvfs/files/policy.py): the kernel keeps one page
+The kernel's inodes (kvfs/files/kernel_inodes.py, kvfs/files/policy.py): the kernel keeps one page
 cache and at most one backing file per inode and maps every open of it onto them, so one
 kernel inode holds either readers of one version or one writer. An open that cannot join the
 opens on its kernel inode is answered ESTALE after the file got a fresh one, and the kernel
 opens that instead. So every open's maps show what its reads show, and a committed blob is
 never written in place: writers write their staged copy, by write or by map.
 
-Passthrough (where the kernel grants it, kvfs/passthrough.py): a reader's open verifies the
+Passthrough (where the kernel grants it, kvfs/files/passthrough.py): a reader's open verifies the
 whole blob, then hands it to the kernel, which serves every read and map from the blob itself
 without the daemon; a writer alone writes its staged file the same way. Opens the daemon
 serves (O_DIRECT under --odirect daemon, writers that clear setuid/setgid) are direct_io;
@@ -48,7 +48,8 @@ from typing import NoReturn
 import trio
 
 from kvfs.caller import Caller
-from kvfs.data import ChecksumError, block_sums, check_blob_size, check_file_size
+from kvfs.data.store import ChecksumError, block_sums, check_blob_size, check_file_size
+from kvfs.data.verify import VerifyMode
 from kvfs.files.policy import shares_kernel_inode
 from kvfs.files.state import (
     Backing,
@@ -58,12 +59,11 @@ from kvfs.files.state import (
     privileges_to_clear,
 )
 from kvfs.files.writing import WritingOps
-from kvfs.loads import OTHER
 from kvfs.meta import Inode
-from kvfs.models import model_of
-from kvfs.offloop import off_loop
+from kvfs.meta.calls import off_loop
+from kvfs.observe.loads import OTHER
+from kvfs.observe.models import model_of
 from kvfs.records import BlobInfo, FsError, fail
-from kvfs.verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class FileTable(WritingOps):
         (`shares_kernel_inode`: False), or beside them, served here (True: a write-only
         open, which can neither read nor map, retried after a refusal). Else ESTALE, after
         giving the file a fresh kernel inode unless its current one is free: the kernel then
-        looks the name up again and opens that one (kvfs/kernel_inodes.py). A retry that
+        looks the name up again and opens that one (kvfs/files/kernel_inodes.py). A retry that
         finds its kernel inode taken again (two retries can meet on one lookup) waits a
         short while for it before it is refused."""
         writable = flags & os.O_ACCMODE != os.O_RDONLY

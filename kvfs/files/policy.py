@@ -1,4 +1,4 @@
-"""Which opens may share one of the kernel's inodes (kvfs/kernel_inodes.py).
+"""Which opens may share one of the kernel's inodes (kvfs/files/kernel_inodes.py).
 
 The kernel holds one page cache and at most one passthrough backing file per inode, and maps
 every open of it onto them: an open may join the opens already on a kernel inode only if

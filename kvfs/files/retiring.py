@@ -1,6 +1,6 @@
 """Retiring files that lost their last name (unlink, rename over, eviction, damaged data):
 their open handles keep serving, their blobs are doomed in the same metadata change, and the
-reaper (kvfs/reaper.py's rules, in a worker thread) deletes the data files."""
+reaper (kvfs/pool/reaper.py's rules, in a worker thread) deletes the data files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from kvfs.files.state import (
     FileState,
 )
 from kvfs.meta import Inode, Removed
-from kvfs.offloop import off_loop
-from kvfs.reaper import reap_doomed
+from kvfs.meta.calls import off_loop
+from kvfs.pool.reaper import reap_doomed
 from kvfs.records import BlobInfo
 
 log = logging.getLogger(__name__)

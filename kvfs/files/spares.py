@@ -1,5 +1,5 @@
 """Spare staged files: writers' `staging/<blob id>` files, made ahead of need by the volume
-helper process (kvfs/volume_helper.py), so that a writer's open creates nothing on the volume.
+helper process (kvfs/data/volume_helper.py), so that a writer's open creates nothing on the volume.
 
 Creating a file is among the volume's slowest small operations: 20-30 µs on the request loop
 on a journaled ext4 here (the GIL's return included), a metadata round trip on a shared
@@ -24,9 +24,9 @@ from enum import StrEnum
 
 import trio
 
-from kvfs.data import DataStore
-from kvfs.stats import Stats
-from kvfs.volume_helper import HelperGone, VolumeHelper
+from kvfs.data.store import DataStore
+from kvfs.data.volume_helper import HelperGone, VolumeHelper
+from kvfs.observe.stats import Stats
 
 log = logging.getLogger(__name__)
 

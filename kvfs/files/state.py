@@ -16,25 +16,25 @@ from typing import TypeVar
 import trio
 from pyfuse3 import FileInfo
 
-from kvfs.cache import BlockCache
 from kvfs.caller import Caller
-from kvfs.data import DataStore, allocated_bytes
+from kvfs.data.cache import BlockCache
+from kvfs.data.staged import StagedFile
+from kvfs.data.store import DataStore, allocated_bytes
+from kvfs.data.verify import LateHasher, Verifier, VerifyMode
+from kvfs.data.volume_helper import VolumeHelper
+from kvfs.engines.write_behind import WriteBehind
+from kvfs.files.kernel_inodes import KernelInodes
+from kvfs.files.passthrough import Passthrough
+from kvfs.files.prefetch import Prefetcher
 from kvfs.files.spares import SpareFiles
-from kvfs.kernel_inodes import KernelInodes
-from kvfs.loads import LoadMeter
 from kvfs.meta import Inode, MetaStore, Removed
-from kvfs.offloop import MetaCalls
-from kvfs.passthrough import Passthrough
-from kvfs.prefetch import Prefetcher
+from kvfs.meta.calls import MetaCalls
+from kvfs.observe.loads import LoadMeter
+from kvfs.observe.stats import Stats
+from kvfs.pool.sessions import Session
+from kvfs.pool.space import Space
 from kvfs.quick_lock import QuickLock
 from kvfs.records import BlobInfo, fail
-from kvfs.sessions import Session
-from kvfs.space import Space
-from kvfs.staged import StagedFile
-from kvfs.stats import Stats
-from kvfs.verify import LateHasher, Verifier, VerifyMode
-from kvfs.volume_helper import VolumeHelper
-from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Handle:
     fd: int | None  # the blob's file, held open so unlink/replace cannot take it away
     opener: Caller  # who opened it
     direct: bool  # opened O_DIRECT: what the kernel writes for it bypasses the page cache
-    nodeid: int | None = None  # its kernel inode (kvfs/kernel_inodes.py); None: kvfs's own
+    nodeid: int | None = None  # its kernel inode (kvfs/files/kernel_inodes.py); None: kvfs's own
     staged: StagedFile | None = None
     backing: bool = False  # the kernel does its I/O on a blob file itself (passthrough)
     shares_backing: bool = False  # served here, naming its kernel inode's backing file
@@ -126,7 +126,7 @@ def privileges_to_clear(inode: Inode, caller: Caller, chown: bool = False) -> in
 
 
 class FileState:
-    """The open-file table's state, owned by the trio loop (kvfs/offloop.py)."""
+    """The open-file table's state, owned by the trio loop (kvfs/meta/calls.py)."""
 
     def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
                  space: Space, passthrough: Passthrough, session: Session,
@@ -140,7 +140,7 @@ class FileState:
         self.data = data
         self.cache = cache
         self.passthrough = passthrough
-        self.helper = helper  # makes spares and publishes (kvfs/volume_helper.py), if alive
+        self.helper = helper  # makes spares and publishes (kvfs/data/volume_helper.py), if alive
         # Whether closes leave every publishing to the publisher (else only syncing stores')
         self.publish_later = helper is not None
         # Set where a shared engine answers changes ahead of Redis (write-behind): a small

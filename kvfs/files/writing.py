@@ -1,8 +1,8 @@
-"""Writers: each write handle fills a private staged blob (kvfs/data.py's StagedFile), in
+"""Writers: each write handle fills a private staged blob (kvfs/data/store.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
 from the loop where finishing it is a few small syscalls (else off the loop), and leaves its
 publishing to the publisher, which no close waits for: the volume helper process renames it
-(kvfs/volume_helper.py), or a worker on a syncing store; without a helper, the loop at once."""
+(kvfs/data/volume_helper.py), or a worker on a syncing store; without a helper, the loop at once."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from collections.abc import Callable
 import trio
 
 from kvfs.caller import Caller
-from kvfs.data import writable_length
+from kvfs.data.staged import StagedFile
+from kvfs.data.store import writable_length
+from kvfs.data.volume_helper import HelperGone, move
+from kvfs.engines.write_behind import WriteBehind
 from kvfs.files.retiring import RetiringOps
 from kvfs.files.state import (
     BLOB_ID_BATCH,
@@ -24,11 +27,8 @@ from kvfs.files.state import (
     privileges_to_clear,
 )
 from kvfs.meta import Inode
-from kvfs.offloop import off_loop
+from kvfs.meta.calls import off_loop
 from kvfs.records import BlobInfo, FsError, fail
-from kvfs.staged import StagedFile
-from kvfs.volume_helper import HelperGone, move
-from kvfs.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +293,8 @@ class WritingOps(RetiringOps):
         """(blocking) Write-behind: those of `batch` whose commits reached the pool, once
         every commit answered before them has (never a blob before its commit; `hurry`: the
         queue goes now, else as it gathers). The others' commits were undone
-        (kvfs/write_behind.py): their staged data goes, unpublished. None of them while Redis
-        cannot be reached (they stay in staging/, where readers find them)."""
+        (kvfs/engines/write_behind.py): their staged data goes, unpublished. None of them while
+        Redis cannot be reached (they stay in staging/, where readers find them)."""
         if not write_behind.sent(hurry):
             return []
         named = self.meta.committed_blobs([staged.blob_id for staged in batch])

@@ -1,2 +1,3 @@
-"""The FUSE layer's support: the binding kvfs runs on (`binding`), the notifier that pushes
-cache invalidations to the kernel (`notifier`)."""
+"""The FUSE layer: the request handlers (`operations`), the `.kvfs/` control files (`control`),
+invalidations pushed to the kernel (`notifier`), the mount's kernel tuning (`tuning`) and
+mountinfo (`mounts`), and the one probe of the binding kvfs runs on (`binding`)."""

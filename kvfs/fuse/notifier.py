@@ -1,6 +1,6 @@
 """Cache invalidations pushed to the kernel: names removed behind its back (eviction, lost data,
 other hosts), attributes changed, listings changed. Sent from a thread of their own, to every
-kernel inode a file has (kvfs/kernel_inodes.py)."""
+kernel inode a file has (kvfs/files/kernel_inodes.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pyfuse3
 
-from kvfs.kernel_inodes import KernelInodes
+from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.meta import Removed
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class KernelNotifier:
     def _send_entry_removal(self, parent: int, name: bytes, ino: int) -> None:
         """Tell the kernel the name is gone (and its inode, if that was its last name): the
         kernel takes it only with the node id its entry holds, which may be any of the
-        file's (kvfs/kernel_inodes.py); else the entry is merely dropped."""
+        file's (kvfs/files/kernel_inodes.py); else the entry is merely dropped."""
         for nodeid in self.kernel.all_of(ino):
             try:
                 pyfuse3.invalidate_entry(parent, name, nodeid)

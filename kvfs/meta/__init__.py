@@ -1,5 +1,5 @@
 """The metadata store of a kvfs volume, one concern per module, all written once over the
-transactions of a metadata engine (kvfs/lmdb_engine.py, kvfs/redis_engine.py):
+transactions of a metadata engine (kvfs/engines/lmdb_engine.py, kvfs/engines/redis_engine.py):
 
     schema.py     the key schema (its docstring), records, constants
     base.py       the store's state and the helpers over `Txn` that several concerns share
@@ -9,14 +9,14 @@ transactions of a metadata engine (kvfs/lmdb_engine.py, kvfs/redis_engine.py):
     recency.py    use and room: recency index, pins, usage counters, capacity, models
     formats.py    formatting and migrating the store's format
 
-fsck's repairs and `recount` live with fsck (kvfs/fsck.py).
+fsck's repairs and `recount` live with fsck (kvfs/cli/fsck.py).
 """
 
 from __future__ import annotations
 
 import threading
 
-from kvfs.engine import Engine
+from kvfs.engines.interface import Engine
 from kvfs.meta.content import ContentOps
 from kvfs.meta.formats import FormatOps
 from kvfs.meta.namespace import NamespaceOps
@@ -63,7 +63,7 @@ class MetaStore(NamespaceOps, ContentOps, PoolOps, RecencyOps, FormatOps):
 
     def __init__(self, engine: Engine, readonly: bool = False) -> None:
         self.engine = engine
-        self.session = b""  # this mount's session in a shared pool (kvfs/sessions.py)
+        self.session = b""  # this mount's session in a shared pool (kvfs/pool/sessions.py)
         self._ids: range = range(0)  # inode numbers and cookies in stock
         self._ids_lock = threading.Lock()
         if not readonly:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from itertools import takewhile
 from typing import TypeVar
 
-from kvfs.engine import Engine, Txn
+from kvfs.engines.interface import Engine, Txn
 from kvfs.meta.schema import (
     ID_BATCH,
     MODEL_BYTES,
@@ -21,7 +21,7 @@ from kvfs.meta.schema import (
     listing_entry,
     u64,
 )
-from kvfs.models import model_of
+from kvfs.observe.models import model_of
 from kvfs.records import BlobInfo, fail
 
 T = TypeVar("T")
@@ -32,7 +32,7 @@ class MetaBase:
     concerns share: each mixin of `MetaStore` is a `MetaBase`."""
 
     engine: Engine
-    session: bytes  # this mount's session in a shared pool (kvfs/sessions.py)
+    session: bytes  # this mount's session in a shared pool (kvfs/pool/sessions.py)
     _ids: range  # inode numbers and cookies in stock
     _ids_lock: threading.Lock
 

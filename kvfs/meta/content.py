@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from kvfs.engine import Txn
+from kvfs.engines.interface import Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import Inode, Removed, from_u64, u64
 from kvfs.records import BlobInfo, FsError, fail

@@ -9,7 +9,7 @@ import stat
 import struct
 import time
 
-from kvfs.engine import Txn
+from kvfs.engines.interface import Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import (
     FORMAT,

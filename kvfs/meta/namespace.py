@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 
-from kvfs.engine import ChangesPending, Txn
+from kvfs.engines.interface import ChangesPending, Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import (
     LINK_MAX,

@@ -1,9 +1,9 @@
-"""The hosts of a shared pool (kvfs/sessions.py): their sessions, the blobs each holds open,
+"""The hosts of a shared pool (kvfs/pool/sessions.py): their sessions, the blobs each holds open,
 and the boot a mount runs in."""
 
 from __future__ import annotations
 
-from kvfs.engine import Txn
+from kvfs.engines.interface import Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import u64
 

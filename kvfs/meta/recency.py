@@ -1,9 +1,9 @@
-"""Use and room, what eviction (kvfs/space.py) reads: the recency index (files by last use),
+"""Use and room, what eviction (kvfs/pool/space.py) reads: the recency index (files by last use),
 pins, the usage counters, the capacity and per-model usage."""
 
 from __future__ import annotations
 
-from kvfs.engine import Txn
+from kvfs.engines.interface import Txn
 from kvfs.meta.base import MetaBase
 from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
 

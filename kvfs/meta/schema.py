@@ -1,11 +1,11 @@
 """The metadata store's key schema and records: what it keeps, written down in one place.
 
 The store (kvfs/meta/) keeps the namespace, attributes, xattrs and blob records of a volume in
-the ordered families of byte keys of a metadata engine (kvfs/engine.py), and its logic is
+the ordered families of byte keys of a metadata engine (kvfs/engines/interface.py), and its logic is
 written once over the engine's transactions (`Txn`), whichever engine holds them: LMDB,
-embedded in `DATA/meta/` (kvfs/lmdb_engine.py), or Redis, for a pool that several hosts share
-(kvfs/redis_engine.py). All integers in keys are 8-byte big-endian so that byte order is
-numeric order.
+embedded in `DATA/meta/` (kvfs/engines/lmdb_engine.py), or Redis, for a pool that several hosts
+share (kvfs/engines/redis_engine.py). All integers in keys are 8-byte big-endian so that byte
+order is numeric order.
 
 Key schema (one family each):
 

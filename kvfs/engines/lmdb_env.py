@@ -1,0 +1,107 @@
+"""The embedded engine's LMDB environment, as both processes that write it see it.
+
+How the environment is opened (one named database per family), a layer of changes not yet in
+it, and how a layer goes into it in one synced transaction, marked with the last change it
+holds: what the embedded engine (kvfs/engines/lmdb_engine.py) and its LMDB writer process
+(kvfs/engines/lmdb_writer.py) share, so that the writer process loads nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from kvfs.engines.changelog import KEEP, Value, Writes, decode
+
+APPLIED_KEY = b"changes applied"  # settings: the last change LMDB holds (read from LMDB only)
+COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
+
+
+@dataclass
+class Layer:
+    """Changes not yet in LMDB: per family and key, the versions (seq, value, delta), oldest
+    first. Only the engine's lock holder appends; snapshots read the versions they may see."""
+
+    families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
+    last_seq: int = 0
+    size: int = 0  # bytes of the changes' encodings (what they may take in the map)
+    payloads: list[bytes] = field(default_factory=list)  # the changes' encodings, in order
+
+    def add(self, seq: int, writes: Writes, payload: bytes = b"") -> None:
+        self.size += len(payload)
+        if payload:
+            self.payloads.append(payload)
+        for family, keys in writes.items():
+            versions = self.families.setdefault(family, {})
+            for key, (value, delta) in keys.items():
+                versions.setdefault(key, []).append((seq, value, delta))
+        self.last_seq = seq
+
+    def folded(self) -> Writes:
+        """The layer's end state per key, for one LMDB transaction."""
+        writes: Writes = {}
+        for family, keys in self.families.items():
+            folded = writes.setdefault(family, {})
+            for key, versions in keys.items():
+                value: Value = KEEP
+                delta = 0
+                for _, changed, added in versions:
+                    if changed is not KEEP:
+                        value, delta = changed, 0
+                    delta += added
+                folded[key] = [value, delta]
+        return writes
+
+
+def layer_of(payloads: Iterable[bytes], last_seq: int) -> Layer:
+    """One layer of encoded changes, through `last_seq` (kvfs/engines/lmdb_writer.py)."""
+    layer = Layer()
+    for payload in payloads:
+        layer.add(last_seq, decode(payload))
+    return layer
+
+
+def open_environment(path: Path, families: tuple[str, ...], map_size: int,
+                     readonly: bool = False
+                     ) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
+    """The engine's LMDB environment and its databases, one per family (the daemon and its
+    LMDB writer open it alike)."""
+    # metasync=False: a power loss may undo the last commits but never breaks the database.
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
+                    readahead=False, readonly=readonly, lock=True)
+    try:
+        return env, {family: env.open_db(family.encode(), create=not readonly)
+                     for family in families}
+    except BaseException:
+        env.close()  # else this process could never open the environment again
+        raise
+
+
+def write_layer(env: lmdb.Environment, dbs: dict[str, lmdb._Database], layer: Layer) -> None:
+    """A layer into LMDB in one synced transaction, with the last seq it holds; not again
+    if LMDB holds it already (a writer process that ended between its commit and its reply:
+    the layer is sent once more)."""
+    with env.begin(write=True) as txn:
+        applied = txn.get(APPLIED_KEY, db=dbs["settings"])
+        if applied is not None and int(applied) >= layer.last_seq:
+            return
+        _apply(txn, dbs, layer.folded())
+        txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=dbs["settings"])
+
+
+def _apply(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], writes: Writes) -> None:
+    for family, keys in writes.items():
+        db = dbs[family]
+        for key, (value, delta) in keys.items():
+            if value is None:
+                txn.delete(key, db=db)
+            elif value is not KEEP:
+                txn.put(key, value, db=db)
+            if delta:
+                raw = txn.get(key, db=db)
+                txn.put(key, COUNT.pack((COUNT.unpack(raw)[0] if raw else 0) + delta), db=db)
+

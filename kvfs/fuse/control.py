@@ -1,0 +1,130 @@
+"""The read-only control directory `MOUNTPOINT/.kvfs/`: live state for tools and operators.
+
+`.kvfs` is not listed in the root, only reached by name.
+`.kvfs/stats` is one JSON object (see `snapshot`), generated when the file is opened, so that
+every reader sees one consistent state. The names use reserved inode numbers far above any
+the metadata store hands out, and nothing under `.kvfs` can be written, created or removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+
+from kvfs.data.verify import VerifyMode
+from kvfs.engines.interface import LoopChanges
+from kvfs.engines.write_behind import write_behind_counts
+from kvfs.files.passthrough import Passthrough
+from kvfs.meta import ROOT_INO, Inode, MetaStore
+from kvfs.meta.calls import off_loop
+from kvfs.observe.loads import LoadMeter
+from kvfs.observe.stats import Stats
+from kvfs.pool.space import Space
+from kvfs.records import fail
+
+CONTROL_DIR = b".kvfs"
+CONTROL_DIR_INO = (1 << 63) - 2
+STATS_NAME = b"stats"
+STATS_INO = (1 << 63) - 1
+FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
+
+
+async def snapshot(meta: MetaStore, space: Space, stats: Stats,
+                   passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> dict:
+    """The mount's state, taken on the loop (the metadata read in a worker)."""
+    def read() -> tuple[int, int, dict[str, dict[str, int]]]:
+        hosts = len(meta.sessions()) if meta.engine.shared else 1
+        return meta.usage().files, hosts, meta.models()
+
+    files, hosts, models = await off_loop(read)
+    capacity, used = await space.room()
+    return {
+        "data_path": passthrough.mode(),
+        # (without passthrough the daemon checks every block it serves, whatever the option)
+        "verify": str(verify if passthrough.mode() == "passthrough" else VerifyMode.ALWAYS),
+        "capacity_bytes": capacity,
+        "used_bytes": used,
+        "files": files,
+        **stats.as_dict(),
+        "metadata_conflicts": meta.engine.conflicts,
+        "metadata_loop_commits": (meta.engine.loop_commits
+                                  if isinstance(meta.engine, LoopChanges) else 0),
+        **write_behind_counts(meta.engine),
+        "hosts": hosts,
+        "models": models,
+        "loads": loads.as_dict(),
+    }
+
+
+class ControlFiles:
+    def __init__(self, meta: MetaStore, space: Space, stats: Stats,
+                 passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> None:
+        self.meta = meta
+        self.space = space
+        self.stats = stats
+        self.passthrough = passthrough
+        self.verify = verify
+        self.loads = loads
+        self.started_ns = time.time_ns()
+        self._contents: dict[int, bytes] = {}
+        self._next_fh = itertools.count(FIRST_HANDLE)
+        self._files: dict[int, Callable[[], Awaitable[bytes]]] = {STATS_INO: self._stats_json}
+
+    async def _stats_json(self) -> bytes:
+        state = await snapshot(self.meta, self.space, self.stats, self.passthrough,
+                               self.verify, self.loads)
+        return json.dumps(state, indent=2).encode() + b"\n"
+
+    def owns(self, ino: int) -> bool:
+        return ino in (CONTROL_DIR_INO, STATS_INO)
+
+    def owns_handle(self, fh: int) -> bool:
+        return fh in self._contents
+
+    def is_reserved(self, parent: int, name: bytes) -> bool:
+        """Names that cannot be created, removed or renamed: .kvfs and everything in it."""
+        return parent == CONTROL_DIR_INO or (parent == ROOT_INO and name == CONTROL_DIR)
+
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        if parent == ROOT_INO and name == CONTROL_DIR:
+            return self.attributes(CONTROL_DIR_INO)
+        if parent == CONTROL_DIR_INO:
+            if name == STATS_NAME:
+                return self.attributes(STATS_INO)
+            raise fail(errno.ENOENT)
+        return None
+
+    def attributes(self, ino: int) -> Inode:
+        is_dir = ino == CONTROL_DIR_INO
+        mode = stat.S_IFDIR | 0o555 if is_dir else stat.S_IFREG | 0o444
+        now = time.time_ns()
+        return Inode(ino, mode, 2 if is_dir else 1, 0, 0, 0, 0, 0, now, now, self.started_ns,
+                     ROOT_INO if is_dir else CONTROL_DIR_INO, 0, 0,
+                     CONTROL_DIR if is_dir else STATS_NAME)
+
+    def entries(self, directory: int, after: int) -> list[tuple[bytes, Inode]]:
+        """What readdir of `.kvfs` lists. The root does not list `.kvfs`: it is reached by
+        name only, so that find, du and scripts over the cache see only cache files."""
+        if directory == CONTROL_DIR_INO and after < STATS_INO:
+            return [(STATS_NAME, self.attributes(STATS_INO))]
+        return []
+
+    async def open(self, ino: int, flags: int) -> int:
+        if ino == CONTROL_DIR_INO:
+            raise fail(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise fail(errno.EACCES)
+        fh = next(self._next_fh)
+        self._contents[fh] = await self._files[ino]()
+        return fh
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        return self._contents[fh][offset: offset + size]
+
+    def release(self, fh: int) -> None:
+        del self._contents[fh]

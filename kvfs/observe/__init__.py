@@ -1,0 +1,2 @@
+"""What operators see: the daemon's counters (`stats`), Prometheus (`metrics`), load throughput
+per model (`loads`, `models`)."""

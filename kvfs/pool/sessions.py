@@ -1,0 +1,387 @@
+"""A mount's life in a shared pool: its session, heartbeat, held blobs, and the clean-up after
+hosts that died.
+
+On the embedded engine one host owns the volume (its lock says so) and none of this is needed:
+the session is local, holds nothing remotely and reaps nobody. On a shared engine
+(kvfs/engines/redis_engine.py) every mount is a session with an id of its own:
+
+- Its staged data lives in `staging/<session>/`, which only it (or whoever reaps it) deletes.
+- It renews a heartbeat every TTL/4. A session not seen beating in two checks at least TTL
+  apart, while this host's own heartbeats went through, is dead (a Redis restart or stall
+  therefore kills nobody); one whose daemon ran on this machine in this boot and has exited
+  is dead at once (a daemon restarted after a crash recovers its old session's work now).
+  One live host claims it (an atomic removal of its record) and cleans up after it: what its
+  write-behind journal holds is applied, its staged blobs are published (committed) or
+  deleted (not), the files it wrote whose checksums were still pending are hashed if it ran
+  on this machine's boot and dropped otherwise (their bytes may never have reached the
+  volume), and its holds go. A host only stalled that finds itself reaped registers again
+  and loses nothing (kvfs/engines/write_behind.py, kvfs/data/store.py).
+- It holds, in the engine, every blob it has open (`held` records): eviction spares a file
+  whose blob any host holds, and a replaced or removed blob's data file is deleted (the
+  doomed sweep, every second, on every host) only once no host holds it and no host is still
+  publishing it.
+- It publishes how many bytes its writers have staged, so that every host counts everyone's
+  staged bytes against the pool's capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kvfs.data.store import DataStore
+from kvfs.data.volume import Volume, boot_id
+from kvfs.engines.interface import LoopChanges
+from kvfs.meta import Inode, MetaStore, u64
+from kvfs.meta.calls import off_loop
+from kvfs.observe.stats import Stats
+from kvfs.pool.reaper import Leftovers, reap_doomed, reap_session
+from kvfs.records import BlobInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10.0
+SWEEP_SECONDS = 1.0
+# A shared pool's releases of holds wait this long, to go to the engine together in one change
+# (a hold taken again meanwhile keeps its record: no round trip either way).
+RELEASE_GATHER_SECONDS = 0.05
+RELEASE_RETRY_SECONDS = 1.0  # after a failed one (the engine unreachable)
+# Batches whose blobs are remembered: an open whose change overlapped older ones records its
+# hold again (`Session.read_holding`).
+RECENT_BATCHES = 64
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _exited_here(record: dict) -> bool:
+    """Whether a session's daemon ran on this machine, in this boot and process namespace,
+    and is no more: dead for certain, reaped without waiting for its heartbeat to expire (a
+    daemon restarted after a crash cleans up after its old self at once)."""
+    if (record.get("host") != socket.gethostname() or record.get("boot") != boot_id()
+            or record.get("pid_namespace") != _pid_namespace()):
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # (another user's process has that pid now)
+    return False
+
+
+def new_session_id(meta: MetaStore) -> bytes:
+    """A fresh id for this mount in a shared pool (b"" on one host); the metadata store
+    marks what it records for the session with it."""
+    meta.session = u64(meta.engine.allocate(b"next_session", 1)) if meta.engine.shared else b""
+    return meta.session
+
+
+@dataclass(frozen=True)
+class UpkeepRound:
+    """What one upkeep round found, for the loop to apply."""
+
+    staged_elsewhere: int  # bytes other hosts' writers have staged
+    lost: bool  # this session had been declared dead (and has rejoined)
+    reaped: list[Leftovers]  # what the dead sessions this host cleaned up after left
+
+
+class Session:
+    def __init__(self, volume: Volume, meta: MetaStore, data: DataStore, stats: Stats,
+                 mountpoint: Path, ttl: float = DEFAULT_TTL) -> None:
+        self.volume = volume
+        self.meta = meta
+        self.data = data
+        self.stats = stats
+        self.ttl = ttl
+        self.shared = meta.engine.shared
+        self.id = meta.session
+        self.staged_elsewhere = 0  # bytes other hosts' writers have staged (last heard)
+        # On the loop, once this host learns it was declared dead (its staging reaped).
+        self.on_lost: Callable[[], None] = lambda: None
+        self._held: Counter[int] = Counter()
+        self._recording_locks: dict[int, trio.Lock] = {}
+        self._releasing: set[int] = set()  # last local hold gone; its record not yet
+        self._releasing_now: set[int] = set()  # ... on its way to the engine
+        self._release_failed: set[int] = set()  # ... sent, maybe recorded: to send again
+        self._batches_begun = 0  # batches of releases sent so far; the last ones' blobs:
+        self._recent_batches: deque[tuple[int, frozenset[int]]] = deque(maxlen=RECENT_BATCHES)
+        self._release_wanted = trio.Event()
+        self._releases_sent = trio.Event()
+        self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
+        self._beat_ok = time.monotonic()
+        self._sweep_wanted = trio.Event()
+        self._record: dict[str, Any] = {  # JSON: the session's record
+            "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
+            "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint), "staged": 0}
+        if isinstance(meta.engine, LoopChanges):  # (whose write-behind batches are its)
+            self._record["engine"] = meta.engine.id.hex()
+        if self.shared:
+            meta.engine.beat(self.id, ttl)
+            meta.register_session(self.id, json.dumps(self._record).encode())
+            volume.record_mount(self.id, mountpoint)
+
+    # -- holds ---------------------------------------------------------------------------
+
+    async def hold(self, blob_id: int) -> None:
+        """This host has `blob_id` open (before it opens the data file). In a shared pool
+        the first hold of a blob is recorded in the engine, one at a time per blob, and after
+        any release of it on its way there (`send_releases`)."""
+        if self.hold_standing(blob_id):
+            return
+        async with self._recording(blob_id):
+            while blob_id in self._releasing_now:  # (it must not land after this hold)
+                await self._releases_sent.wait()
+            if not (self._held[blob_id] or blob_id in self._releasing):
+                self._release_failed.discard(blob_id)
+                await off_loop(self.meta.hold, blob_id, self.id)
+            self._releasing.discard(blob_id)
+            self._add_hold(blob_id)
+
+    def hold_standing(self, blob_id: int) -> bool:
+        """Hold `blob_id` if that needs no record in the engine: on one host, or where this
+        host's hold of it stood all along (held, or its release not yet on its way, and no
+        record of it under way: no host can have deleted its data since). False:
+        `read_holding` records one."""
+        if self.shared and not ((self._held[blob_id] or blob_id in self._releasing)
+                                and blob_id not in self._releasing_now
+                                and blob_id not in self._recording_locks):
+            return False
+        self._releasing.discard(blob_id)
+        self._add_hold(blob_id)
+        return True
+
+    async def read_holding(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+        """(Shared pool) Inode `ino` and its blob, read in the change that records this
+        host's hold of that blob: a reader's open in one worker call. The blob, if any, is
+        held (released with `release`)."""
+        while True:
+            in_flight, begun = frozenset(self._releasing_now), self._batches_begun
+            inode, blob = await off_loop(self.meta.content_held, ino, self.id)
+            if blob is None or not await self._held_by_change(blob.blob_id, in_flight, begun):
+                return inode, blob
+            # Recorded again after a release that may have erased the first record: the
+            # blob's data is safe only if the inode still names it (a blob is doomed only
+            # once replaced or removed), else the new one is held instead.
+            try:
+                inode, again = await off_loop(self.meta.content, ino)
+            except BaseException:
+                await self.release(blob.blob_id)
+                raise
+            if again is not None and again.blob_id == blob.blob_id:
+                return inode, again
+            await self.release(blob.blob_id)
+
+    async def _held_by_change(self, blob_id: int, in_flight: frozenset[int], begun: int
+                              ) -> bool:
+        """Count a hold a change recorded before this host knew which blob it was; returns
+        whether it was recorded again: a release of that blob on its way to the engine
+        meanwhile (`in_flight` then, or a batch begun after the `begun`-th) may have landed
+        after the hold. Counted at once, so that this host's other handles of the blob,
+        closing meanwhile, queue no release of it."""
+        self._add_hold(blob_id)
+        self._releasing.discard(blob_id)
+        self._release_failed.discard(blob_id)
+        if not (blob_id in in_flight or self._released_since(blob_id, begun)):
+            return False
+        try:
+            async with self._recording(blob_id):
+                while blob_id in self._releasing_now:
+                    await self._releases_sent.wait()
+                self._release_failed.discard(blob_id)  # (the batch may have failed)
+                await off_loop(self.meta.hold, blob_id, self.id)
+        except BaseException:
+            await self.release(blob_id)
+            raise
+        return True
+
+    def _released_since(self, blob_id: int, begun: int) -> bool:
+        """Whether a batch of releases begun after the `begun`-th carried `blob_id` (or may
+        have: one no longer remembered)."""
+        if begun < self._batches_begun - len(self._recent_batches):
+            return True
+        return any(blob_id in blobs for number, blobs in self._recent_batches if number > begun)
+
+    def hold_committing(self, blob_id: int) -> bytes | None:
+        """Hold a new blob this host is about to commit: no other host can know it yet, so in
+        a shared pool its commit records the hold (returns the session to record it for)."""
+        self._add_hold(blob_id)
+        return self.id if self.shared else None
+
+    def _add_hold(self, blob_id: int) -> None:
+        self._held[blob_id] += 1
+        self.stats.blobs_held = len(self._held)
+
+    async def release(self, blob_id: int) -> None:
+        if self._drop_hold(blob_id) and self.shared:
+            self._releasing.add(blob_id)  # recorded by `send_releases`, with others
+            self._release_wanted.set()
+
+    def _drop_hold(self, blob_id: int) -> bool:
+        """One hold less; returns whether it was the last."""
+        self._held[blob_id] -= 1
+        if self._held[blob_id] > 0:
+            return False
+        del self._held[blob_id]
+        self.stats.blobs_held = len(self._held)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _recording(self, blob_id: int) -> AsyncIterator[None]:
+        lock = self._recording_locks.setdefault(blob_id, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._recording_locks.pop(blob_id, None)
+
+    async def send_releases(self) -> None:
+        """Background (shared only): record the releases of holds, gathered for
+        RELEASE_GATHER_SECONDS into one change; a failed change is tried again."""
+        if not self.shared:
+            return
+        while True:
+            await self._release_wanted.wait()
+            await trio.sleep(RELEASE_GATHER_SECONDS)
+            self._release_wanted = trio.Event()
+            self._releasing_now = self._releasing | self._release_failed
+            self._releasing, self._release_failed = set(), set()
+            self._batches_begun += 1
+            self._recent_batches.append((self._batches_begun, frozenset(self._releasing_now)))
+            failed = False
+            try:
+                await off_loop(self.meta.release_many, sorted(self._releasing_now), self.id)
+            except Exception as error:
+                failed = True
+                self.stats.background_errors += 1
+                log.warning("recording %d released holds failed (%s); trying again",
+                            len(self._releasing_now), error)
+                self._release_failed |= self._releasing_now  # (a hold records itself anew)
+                self._release_wanted.set()
+            finally:
+                self._releasing_now = set()
+                self._releases_sent.set()
+                self._releases_sent = trio.Event()
+            if failed:
+                await trio.sleep(RELEASE_RETRY_SECONDS)
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    async def run(self, staged: Callable[[], int], want_sums: Callable[[int], None]) -> None:
+        """Heartbeat, staged-bytes report and the reaping of dead sessions (shared only)."""
+        if not self.shared:
+            return
+        while True:
+            try:
+                round_ = await off_loop(self._upkeep, staged(), list(self._held))
+                self.staged_elsewhere = round_.staged_elsewhere
+                self.stats.sessions_lost += round_.lost
+                if round_.lost:  # the reaper dropped this session's holds: none to release
+                    self._releasing.clear()
+                    self.on_lost()
+                for leftovers in round_.reaped:
+                    self.stats.sessions_reaped += 1
+                    self.stats.write_behind_recovered += leftovers.recovered
+                    self.stats.write_behind_unrecovered += leftovers.unrecovered
+                    for blob_id in leftovers.to_hash:
+                        want_sums(blob_id)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("session upkeep failed")
+            await trio.sleep(self.ttl / 4)
+
+    def _upkeep(self, staged: int, held: list[int]) -> UpkeepRound:
+        """One round (worker thread; `_seen_dead`, `_beat_ok` and `_record` are the rounds'
+        own), on one read of the sessions: beat, then reap. `held`: the blobs this host
+        holds, as the loop saw them when the round began."""
+        self.meta.engine.beat(self.id, self.ttl)
+        self._beat_ok = time.monotonic()
+        sessions = self.meta.sessions()
+        lost = self.id not in sessions
+        if lost:
+            log.error("session %s was declared dead by another host (stalled for more than "
+                      "%.0f s?): registering again", self.id.hex(), self.ttl)
+            self._rejoin(held)
+        self._record["staged"] = staged
+        self.meta.register_session(self.id, json.dumps(self._record).encode())
+        others = sum(json.loads(raw).get("staged", 0)
+                     for session, raw in sessions.items() if session != self.id)
+        return UpkeepRound(others, lost, self._reap_dead(sessions))
+
+    def _rejoin(self, held: list[int]) -> None:
+        """After being declared dead: the reaper took this session's staging directory, holds
+        and mount record; put them back (open writers' closes stage their data again from
+        their open files, kvfs/data/store.py)."""
+        self.data.staging_dir.mkdir(parents=True, exist_ok=True)
+        for blob_id in held:
+            self.meta.hold(blob_id, self.id)
+        self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
+
+    def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[Leftovers]:
+        """Claim and clean up after sessions seen dead long enough; what they left."""
+        now = time.monotonic()
+        reaped = []
+        for session, raw in sessions.items():
+            if session == self.id:
+                continue
+            record = json.loads(raw)
+            if not _exited_here(record):
+                if self.meta.engine.alive(session):
+                    self._seen_dead.pop(session, None)
+                    continue
+                first = self._seen_dead.setdefault(session, now)
+                if now - first < self.ttl or now - self._beat_ok > self.ttl / 2:
+                    continue
+            leftovers = reap_session(self.meta, self.data, self.volume, session, record)
+            self._seen_dead.pop(session, None)
+            if leftovers is not None:  # (else another host claimed it first)
+                reaped.append(leftovers)
+        return reaped
+
+    # -- the doomed sweep ----------------------------------------------------------------
+
+    def want_sweep(self) -> None:
+        """This host doomed a blob: sweep now rather than at the next tick."""
+        self._sweep_wanted.set()
+
+    async def sweep_doomed(self) -> None:
+        """Delete the data files of doomed blobs no host holds or publishes (shared only:
+        on one host the file table's reaper does this as blobs are freed)."""
+        if not self.shared:
+            return
+        while True:
+            with trio.move_on_after(SWEEP_SECONDS):
+                await self._sweep_wanted.wait()
+            self._sweep_wanted = trio.Event()
+            try:
+                await off_loop(reap_doomed, self.meta, self.data)
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("deleting doomed data files failed; the next sweep retries")
+
+    def end(self) -> None:
+        """A clean unmount: its staging directory goes (what a failed publish left there is
+        published), then the session's record and holds, then what is doomed and held by
+        nobody else."""
+        if not self.shared:
+            return
+        if self._held:
+            log.warning("%d blobs still held at unmount (released now)", len(self._held))
+        self.data.recover(self.meta.is_committed_blob)
+        self.data.staging_dir.rmdir()
+        self.meta.end_session(self.id)
+        self.volume.forget_mount(self.id)
+        reap_doomed(self.meta, self.data)

@@ -1,0 +1,307 @@
+"""The pool's capacity: accounting, least-recently-used eviction, pins, recency.
+
+One capacity for everything written through the mount, whoever writes it. Used bytes are the
+bytes committed blobs take on the volume (kept in the metadata store; holes take none) plus
+what open write handles have staged (in a shared pool: on every host, as last reported). The
+effective capacity is the configured one, or less when the volume itself has less room.
+
+Eviction drops least-recently-used files, with all their names. It never takes a file that is
+open (in a shared pool: on any host), that carries the `user.kvfs.pin` attribute or has a
+name below a directory that does.
+A request that needs room first chooses its victims (in a worker thread) and evicts them only
+if they free enough: a request that cannot fit fails with ENOSPC and evicts nothing. Uses are
+recorded in memory and flushed to the metadata store every second and before each eviction.
+A background task keeps usage between the watermarks so writers rarely wait. Metadata
+transactions and scans run in worker threads, never on the request loop (kvfs/meta/calls.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, Usage
+from kvfs.meta.calls import MetaCalls, off_loop
+from kvfs.observe.stats import Stats
+from kvfs.pool.sessions import Session
+from kvfs.records import FsError, fail
+
+log = logging.getLogger(__name__)
+
+HIGH_WATERMARK = 0.95  # background eviction starts above this share of the capacity
+LOW_WATERMARK = 0.90  # ... and stops here
+VOLUME_RESERVE = 64 << 20  # left free on the volume for metadata growth ...
+VOLUME_RESERVE_SHARE = 0.05  # ... or this share of a small volume
+EVICTION_BATCH = 64
+TICK_SECONDS = 0.25
+RECENCY_FLUSH_SECONDS = 1.0
+USES_PER_CHANGE = 64  # uses recorded in one metadata change: ~1 ms on the loop
+SLACK_SECONDS = 0.1
+EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
+# Room held for a writer whose writes kvfs does not see (passthrough) until its close: twice
+# the largest file of the last commits, within these bounds (before any commit, FIRST) ...
+KERNEL_WRITER_RESERVE_MAX = 256 << 20
+KERNEL_WRITER_RESERVE_FIRST = 64 << 20
+KERNEL_WRITER_RESERVE_MIN = 1 << 20
+KERNEL_WRITER_SIZES_KEPT = 64
+# ... and all of them together at most this share of the capacity: a reservation may evict,
+# and many open writers (held open, or small files from many threads) must not empty the pool
+# for room they will not use. Writers beyond it are served by the daemon, each write counted.
+KERNEL_WRITER_SHARE = 1 / 16
+
+
+class Space:
+    def __init__(self, meta: MetaStore, volume: Path, stats: Stats, session: Session,
+                 open_inodes: Callable[[], frozenset[int]],
+                 evicted: Callable[[list[Removed]], Awaitable[None]],
+                 deletions_done: Callable[[], Awaitable[bool]]) -> None:
+        self.meta = meta
+        self.meta_call = MetaCalls(meta.engine)
+        self.session = session
+        self.volume = volume
+        self.stats = stats
+        self.open_inodes = open_inodes  # a snapshot, taken on the loop
+        self.evicted = evicted  # retires the victims (kvfs/files/retiring.py)
+        # ... and waits until removed files' data has left the volume (whether any had not)
+        self.deletions_done = deletions_done
+        self.staged = 0  # bytes this host's open write handles have staged (and reserved)
+        self.kernel_reserved = 0  # ... of which held for kernel writers
+        self._committed_sizes: deque[int] = deque(maxlen=KERNEL_WRITER_SIZES_KEPT)
+        self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
+        # Room measured by the last full check, spent by later reservations until it runs out
+        # or gets old (the volume's free space can change behind our back).
+        self._slack = 0
+        self._slack_until = 0.0
+        self._kernel_share = 0  # room kernel writers may hold together (last known capacity)
+        self._kernel_share_until = 0.0
+        # the read of the room on its way, and its answer once there (`_read_room`)
+        self._room_read: tuple[trio.Event, list[tuple[Usage, int]]] | None = None
+        self._evicting = trio.Lock()
+        self._flushing = trio.Lock()
+        self._pinned_warning = False
+
+    # -- accounting ----------------------------------------------------------------------
+
+    async def used(self) -> int:
+        return self._with_staged((await self.meta_call(self.meta.usage)).used)
+
+    def _with_staged(self, committed: int) -> int:
+        return committed + self.staged + self.session.staged_elsewhere
+
+    async def capacity(self) -> int:
+        return (await self.room())[0]
+
+    async def room(self) -> tuple[int, int]:
+        """(capacity, used bytes): the configured capacity, or what fits on the volume if
+        that is less, and the bytes committed and staged."""
+        usage, volume_room = await self._read_room()
+        used = self._with_staged(usage.used)
+        return max(0, min(usage.capacity, used + volume_room)), used
+
+    async def _read_room(self) -> tuple[Usage, int]:
+        """One statvfs and one metadata read (inline on one host, a worker's on a shared
+        pool), shared by the callers that ask while it is on its way: sixteen writers whose
+        slack ran out together made sixteen worker calls and round trips, a tenth of a
+        shared pool's stores."""
+        pending = self._room_read
+        if pending is not None:
+            done, answer = pending
+            await done.wait()
+            if answer:
+                return answer[0]
+            return await self.meta_call(self._usage_and_volume_room)  # (that one failed)
+        done, answer = trio.Event(), []
+        self._room_read = (done, answer)
+        try:
+            answer.append(await self.meta_call(self._usage_and_volume_room))
+            return answer[0]
+        finally:
+            self._room_read = None
+            done.set()
+
+    def _usage_and_volume_room(self) -> tuple[Usage, int]:
+        volume = os.statvfs(self.volume)
+        reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
+        return self.meta.usage(), volume.f_bavail * volume.f_frsize - reserve
+
+    async def reserve(self, growth: int) -> None:
+        """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
+        (evicting nothing) if it cannot."""
+        if growth <= 0:
+            return
+        if growth <= self._slack and time.monotonic() < self._slack_until:
+            self._slack -= growth  # room known to be there: no statvfs, no metadata read
+            return
+        capacity, used = await self.room()
+        if used + growth > capacity and await self.deletions_done():
+            capacity, used = await self.room()  # with the room of files removed just now
+        if growth > capacity:
+            raise fail(errno.ENOSPC)
+        if used + growth > capacity:
+            if not await self.evict_to(capacity - growth):
+                raise fail(errno.ENOSPC)
+            used = await self.used()
+        self._slack = capacity - used - growth
+        self._slack_until = time.monotonic() + SLACK_SECONDS
+
+    async def reserve_for_kernel_writer(self) -> int:
+        """Room for a passthrough writer, reserved (and counted as staged) until it closes;
+        0 where that is not to be had, or would take kernel writers past their share of the
+        pool: then kvfs serves the writes and accounts each one exactly."""
+        if time.monotonic() >= self._kernel_share_until:
+            self._kernel_share = int(await self.capacity() * KERNEL_WRITER_SHARE)
+            self._kernel_share_until = time.monotonic() + SLACK_SECONDS
+        size = self.kernel_writer_reserve()
+        if self.kernel_reserved + size > self._kernel_share:
+            return 0
+        try:
+            await self.reserve(size)
+        except FsError:
+            return 0
+        self.stage(size)
+        self.kernel_reserved += size
+        return size
+
+    def kernel_writer_reserve(self) -> int:
+        """What a kernel writer reserves: twice the largest recent file, within bounds."""
+        if not self._committed_sizes:
+            return KERNEL_WRITER_RESERVE_FIRST
+        return min(KERNEL_WRITER_RESERVE_MAX,
+                   max(KERNEL_WRITER_RESERVE_MIN, 2 * max(self._committed_sizes)))
+
+    def kernel_writer_closed(self, reserved: int) -> None:
+        self.unstage(reserved)
+        self.kernel_reserved -= reserved
+
+    def committed(self, size: int) -> None:
+        """A writer committed a file of `size` bytes: sizes kernel writers reserve for."""
+        self._committed_sizes.append(size)
+
+    def stage(self, growth: int) -> None:
+        """Count bytes a writer staged (or reserved) on this host; negative: it shrank."""
+        self.staged += growth
+
+    def unstage(self, size: int) -> None:
+        """Bytes staged here left: committed (now counted in the metadata) or discarded."""
+        self.staged -= size
+
+    # -- recency -------------------------------------------------------------------------
+
+    def note_use(self, ino: int) -> None:
+        """A use of `ino` (lookup, open, read): kept in memory, recorded in batches."""
+        now = time.time_ns()
+        self._uses[ino] = now
+
+    def take_uses(self) -> dict[int, int]:
+        uses, self._uses = self._uses, {}
+        return uses
+
+    async def flush_uses(self) -> None:
+        """Record the uses kept in memory. On the embedded engine the changes run on the
+        loop, USES_PER_CHANGE at a time with a checkpoint between: 5,000 uses at once (~15 µs
+        each) would hold every request back for 75 ms. One flush at a time: an eviction's
+        flush returns once the uses taken before it are recorded too."""
+        async with self._flushing:
+            uses = list(self.take_uses().items())
+            step = max(1, len(uses)) if self.meta_call.blocking else USES_PER_CHANGE
+            for first in range(0, len(uses), step):
+                try:
+                    await self.meta_call(self.meta.record_uses, dict(uses[first:first + step]))
+                except BaseException:  # kept for the next flush (a shared engine may be busy)
+                    for ino, used_ns in uses[first:]:
+                        self._uses[ino] = max(used_ns, self._uses.get(ino, 0))
+                    raise
+                await trio.lowlevel.checkpoint()
+
+    # -- eviction ------------------------------------------------------------------------
+
+    async def evict_to(self, target: int, partial: bool = False) -> bool:
+        """Evict least-recently-used files until used <= target. If that is impossible,
+        evict nothing and return False (with `partial`, evict what can be)."""
+        async with self._evicting:
+            await self.flush_uses()  # eviction order must include the latest uses
+            for _ in range(EVICTION_ATTEMPTS):
+                need = await self.used() - target
+                if need <= 0:
+                    return True
+                victims, enough = await off_loop(self._choose, need, self.open_inodes())
+                if not enough and not partial:
+                    return False
+                open_now = self.open_inodes()
+                spared = [ino for ino in victims if ino not in open_now]  # opened meanwhile
+                dropped = await self.meta_call(self.meta.drop_files, spared, self.session.shared)
+                for removed in dropped:
+                    self.stats.evictions += 1
+                    log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
+                              removed.inode.ino, removed.inode.allocated)
+                await self.evicted(dropped)
+                if not enough:
+                    return False
+            return await self.used() <= target
+
+    def _choose(self, need: int, open_inodes: frozenset[int]) -> tuple[list[int], bool]:
+        """Least-recently-used evictable files that free `need` bytes (worker thread), none
+        of `open_inodes`; returns them and whether they free enough."""
+        pinned = self.meta.pinned()
+        victims: list[int] = []
+        freed, position = 0, b""
+        while freed < need:
+            batch = self.meta.least_recent(EVICTION_BATCH, position)
+            if not batch:
+                return victims, False
+            position = batch[-1][0]
+            for _, inode in batch:
+                if inode.ino not in open_inodes and self._evictable(inode, pinned):
+                    victims.append(inode.ino)
+                    freed += inode.allocated
+                    if freed >= need:
+                        break
+        return victims, True
+
+    def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
+        if inode.ino in pinned:
+            return False
+        if self.session.shared and self.meta.holders(inode.blob):
+            return False  # open on another host
+        parents = [inode.parent] if inode.nlink <= 1 else [
+            parent for parent, _ in self.meta.names(inode.ino)]
+        for ino in parents:
+            while True:
+                if ino in pinned:
+                    return False
+                if ino == ROOT_INO:
+                    break
+                ino = self.meta.get(ino).parent
+        return True
+
+    async def trim(self) -> None:
+        """Above the high watermark, evict down to the low one (as far as pins allow)."""
+        capacity, used = await self.room()
+        if used <= HIGH_WATERMARK * capacity:
+            return
+        reached = await self.evict_to(int(LOW_WATERMARK * capacity), partial=True)
+        if not reached and not self._pinned_warning:
+            log.warning("pinned and open files alone exceed the capacity")
+        self._pinned_warning = not reached
+
+    async def run(self) -> None:
+        """Background upkeep: stay under the high watermark, flush recorded uses. A failure
+        is logged and counted, and the next tick tries again."""
+        last_flush = time.monotonic()
+        while True:
+            try:
+                await self.trim()
+                if time.monotonic() - last_flush >= RECENCY_FLUSH_SECONDS:
+                    last_flush = time.monotonic()
+                    await self.flush_uses()
+            except Exception:
+                self.stats.background_errors += 1
+                log.exception("space upkeep failed")
+            await trio.sleep(TICK_SECONDS)
