@@ -71,7 +71,7 @@ from kvfs.data.verify import HASH_QUIET_SECONDS
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
 TARGETS = ("plain", "kvfs")
-ENGINE = REPO / "scripts" / "lmcache_engine.py"
+ENGINE = REPO / "tests" / "lmcache_engine.py"
 MISSING_BASE = 10**12  # kv_name indices from here on are never created
 REPEATED_HITS = "stat existing names, repeated at once (kernel-cached)"
 REPEATED_MISSES = "stat missing names, repeated at once (kernel-cached)"
@@ -569,7 +569,7 @@ class Bench:
 
     def engine_report(self, target: str, run: int, name: str, chunks: int,
                       processes: list[list[str]], *backend: str) -> dict[str, Any] | None:
-        """Real LMCache engine processes in turn (scripts/lmcache_engine.py, one list of ops
+        """Real LMCache engine processes in turn (tests/lmcache_engine.py, one list of ops
         each) in a fresh directory of `target`: their reports merged, or None (noted) if one
         failed. A retrieve that was not exact is noted."""
         directory = self.roots[target] / name
@@ -590,7 +590,7 @@ class Bench:
         return report
 
     def vllm_tier(self) -> None:
-        """vLLM's own fs tier (scripts/vllm_tier.py): one process stores, then, on a fresh
+        """vLLM's own fs tier (tests/vllm_tier.py): one process stores, then, on a fresh
         mount, others look up, load cold (page cache dropped) and load again (warm)."""
         with self.stage(VLLM_SECTION):
             if not VLLM_DIR.is_dir():
@@ -799,7 +799,7 @@ def mount_time_name(count: int) -> str:
 
 def run_engine(ops: list[str], directory: Path, chunks: int, backend: str = "fs",
                *options: str) -> dict[str, Any]:
-    """One real LMCache engine process (scripts/lmcache_engine.py); returns its JSON report."""
+    """One real LMCache engine process (tests/lmcache_engine.py); returns its JSON report."""
     result = subprocess.run(
         [sys.executable, str(ENGINE), *ops, "--backend", backend, *options, "--dir",
          str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],

@@ -1,5 +1,6 @@
-"""Building blocks of scripts/bench.py: kvfs mount control, cache control, fio, and the I/O
-workers that run in child processes (so every timed read comes from a process of its own).
+"""Building blocks of scripts/bench.py and the other benchmarks: kvfs mount control, cache
+control, fio, and the I/O workers that run in child processes (so every timed read comes from a
+process of its own).
 
 Workers are plain functions of picklable arguments. Each waits until `start_at` (a
 time.perf_counter() instant, which is CLOCK_MONOTONIC and so shared by all processes) to start
@@ -25,6 +26,9 @@ from typing import Any
 from kvfs.data.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
+# The clients' drivers (tests/vllm_tier.py, tests/lmcache_engine.py) and the throwaway Redis
+# (tests/local_redis.py) live with the tests; the scripts that import this module use them too.
+sys.path.insert(0, str(REPO / "tests"))
 MIB = 1 << 20
 CHUNK_BYTES = 32 * MIB  # one LMCache chunk of Llama-3.1-8B fp16 (256 tokens)
 SMALL_FILE_BYTES = 4096

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from local_redis import LocalRedis
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # LMCache's engine driver lives with the tests
 ENGINE_ENV = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false",
               "LMCACHE_LOG_LEVEL": os.environ.get("LMCACHE_LOG_LEVEL", "INFO")}
 KV_SEED = 42
@@ -112,7 +113,7 @@ def drop_page_cache() -> bool:
 
 def run_engine(label: str, ops: list[str], logs: Path, **options: Any) -> dict[str, Any]:
     """One LMCache instance in its own process; its log goes to `logs/<label>.log`."""
-    argv = [sys.executable, str(REPO / "scripts" / "lmcache_engine.py"), *ops]
+    argv = [sys.executable, str(REPO / "tests" / "lmcache_engine.py"), *ops]
     for name, value in options.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     log_path = logs / f"{label}.log"

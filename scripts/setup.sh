@@ -43,7 +43,7 @@ if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
 fi
 
 # vLLM's own filesystem KV tier for tests/test_vllm_tier.py and bench.py's vLLM group: three
-# files of the pinned wheel, unpacked unchanged into .venv/vllm-tier (scripts/vllm_tier.py
+# files of the pinned wheel, unpacked unchanged into .venv/vllm-tier (tests/vllm_tier.py
 # loads them). The wheel (336 MB) is fetched once into a cache outside the clone. Outside the
 # stamp above, so that machines set up before get it too.
 VLLM_VERSION=0.33.0

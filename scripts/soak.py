@@ -68,13 +68,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from local_redis import LocalRedis
-
 from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
 from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the throwaway Redis lives with the tests
+from local_redis import LocalRedis  # noqa: E402
+
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
 try:

@@ -17,16 +17,13 @@ from pathlib import Path
 
 import pytest
 from lmcache_engines import Engines
+from local_redis import LocalRedis
 
 from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
 from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
-# Helpers the tests share with the scripts (a throwaway redis-server); also for test files
-# run as worker scripts, which import this module outside pytest.
-sys.path.insert(0, str(REPO / "scripts"))
-from local_redis import LocalRedis  # noqa: E402
 
 MOUNT_SCRIPT = REPO / "mount_kvfs.py"
 KVFS_CLI = Path(sys.executable).parent / "kvfs"  # the `kvfs` command of this environment

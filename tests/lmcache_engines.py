@@ -1,4 +1,4 @@
-"""Real LMCache 0.5.6 engines, each in its own process (`scripts/lmcache_engine.py`):
+"""Real LMCache 0.5.6 engines, each in its own process (`tests/lmcache_engine.py`):
 starting them, reading their results, and checking what they loaded.
 
 The KV bytes of each chunk are a pure function of a seed, so a reader proves it got exactly a
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ENGINE = Path(__file__).resolve().parent.parent / "scripts" / "lmcache_engine.py"
+ENGINE = Path(__file__).resolve().parent / "lmcache_engine.py"
 CHUNK_TOKENS = 256
 ENGINE_ENV = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false",
               "LMCACHE_LOG_LEVEL": "WARNING"}

@@ -1,7 +1,7 @@
 """vLLM 0.33.0's own filesystem KV tier, run unchanged over a directory (a kvfs mount), as one
 vLLM instance runs it: the tests and bench.py drive kvfs with vLLM's code, not a model of it.
 
-    python scripts/vllm_tier.py store|lookup|load --root DIR --blocks N [--first I]
+    python tests/vllm_tier.py store|lookup|load --root DIR --blocks N [--first I]
         [--block-mib 2] [--seed S] [--job-blocks 4] [--buffered]
 
 prints one JSON line: what was done, how long it took, and per block index what missed,
@@ -140,7 +140,7 @@ def offload_key(index: int) -> OffloadKey:
 def stamped_index(data: bytes) -> int:
     """The block index a data file holds, from its first page's stamp."""
     magic, index = np.frombuffer(data[:16], dtype=np.uint64)
-    assert magic == MAGIC, "not a block written by scripts/vllm_tier.py"
+    assert magic == MAGIC, "not a block written by tests/vllm_tier.py"
     return int(index)
 
 

@@ -2,7 +2,7 @@
 
 Usage (one JSON line on stdout, LMCache's logging on stderr):
 
-    PYTHONHASHSEED=0 python scripts/lmcache_engine.py store lookup retrieve \\
+    PYTHONHASHSEED=0 python tests/lmcache_engine.py store lookup retrieve \\
         --backend fs --dir /mnt/kvfs/lmcache --preset llama-3.1-8b --chunks 4
 
 Every instance that is to share must run with the same PYTHONHASHSEED, model string, world
@@ -291,7 +291,7 @@ def retrieve(engine: Any, connector: Any, tokens: torch.Tensor, slot_mapping: to
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/lmcache_engine.py",
+    parser = argparse.ArgumentParser(prog="tests/lmcache_engine.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("ops", nargs="+", choices=["store", "lookup", "retrieve"],
                         help="operations to run in order")
