@@ -121,9 +121,9 @@ class Daemon:
         # session, and dead ones are cleaned up by whichever live host claims them first.
         pending = [] if self.shared else recover(self.meta, self.data, self.volume)
         if config.capacity is not None:
-            self.meta.set_capacity(config.capacity)
-        elif not self.meta.capacity():
-            self.meta.set_capacity(shutil.disk_usage(config.data).free)
+            self.meta.recency.set_capacity(config.capacity)
+        elif not self.meta.recency.capacity():
+            self.meta.recency.set_capacity(shutil.disk_usage(config.data).free)
         self.stats = Stats()
         self.session = Session(self.volume, self.meta, self.data, self.stats,
                                config.mountpoint, config.session_ttl)
@@ -188,10 +188,10 @@ class Daemon:
         except RuntimeError as error:
             raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
         log.info("mounted %s at %s (capacity %d bytes)", self.config.data,
-                 self.config.mountpoint, self.meta.capacity())
+                 self.config.mountpoint, self.meta.recency.capacity())
         # Now that there is a kernel session to tell: other hosts' changes invalidate its
         # caches of names and attributes.
-        self.meta.watch_others(self.notifier.others_changed_name,
+        self.meta.namespace.watch_others(self.notifier.others_changed_name,
                                self.notifier.attributes_changed)
         if self.config.metrics_port is not None:
             try:
@@ -243,7 +243,7 @@ class Daemon:
         self.notifier.stop()  # before the session it notifies goes
         pyfuse3.close(unmount=True)
         try:
-            self.meta.record_uses(self.space.take_uses())
+            self.meta.recency.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
             self.meta.engine.sync()  # (write-behind: no blob is published before its commit)
             if self.files.write_behind is not None and not self.files.write_behind.close():

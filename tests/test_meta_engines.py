@@ -154,17 +154,17 @@ def refused(code: int, call: Callable[..., object], *args: object, **kwargs: obj
 
 
 def mkfile(meta: MetaStore, name: bytes, parent: int = ROOT_INO) -> Inode:
-    return meta.make(parent, name, FILE, UID, GID)
+    return meta.namespace.make(parent, name, FILE, UID, GID)
 
 
 def mkdir(meta: MetaStore, name: bytes, parent: int = ROOT_INO) -> Inode:
-    return meta.make(parent, name, DIR, UID, GID)
+    return meta.namespace.make(parent, name, DIR, UID, GID)
 
 
 def new_blob(meta: MetaStore, ino: int, size: int, allocated: int | None = None,
              pending: bool = False) -> BlobInfo:
     """A blob record for `ino` (one fresh blob id), `size` bytes in 4 KiB blocks."""
-    (blob_id,) = meta.allocate_blob_ids(1)
+    (blob_id,) = meta.content.allocate_blob_ids(1)
     blocks = -(-size // BLOCK)
     sums = array("Q") if pending else array("Q", [blob_id * 1_000_003 + i for i in range(blocks)])
     return BlobInfo(blob_id, ino, size, blocks * BLOCK if allocated is None else allocated,
@@ -173,7 +173,8 @@ def new_blob(meta: MetaStore, ino: int, size: int, allocated: int | None = None,
 
 def listing(meta: MetaStore, parent: int, after: int = 0) -> list[tuple[bytes, int, int]]:
     """(name, ino, cookie) of each entry, in readdir order."""
-    return [(name, inode.ino, cookie) for name, inode, cookie in meta.readdir(parent, after)]
+    return [(name, inode.ino, cookie)
+            for name, inode, cookie in meta.namespace.readdir(parent, after)]
 
 
 def from_memory(meta: MetaStore, read: Callable[[], object]) -> object:
@@ -198,15 +199,15 @@ def session_id(meta: MetaStore) -> bytes:
 def check_store(meta: MetaStore) -> None:
     """The invariants every scenario must leave behind (see the module's docstring)."""
     used, files, models = recount(meta)
-    usage = meta.usage()
-    assert (usage.used, usage.files, meta.models()) == (used, files, models), \
+    usage = meta.recency.usage()
+    assert (usage.used, usage.files, meta.recency.models()) == (used, files, models), \
         "usage counters differ from a recount"
 
-    inodes = {inode.ino: inode for inode in meta.inodes()}
+    inodes = {inode.ino: inode for inode in meta.namespace.inodes()}
     assert inodes[ROOT_INO].is_dir
     names: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
     subdirs: Counter[int] = Counter()
-    for parent, name, ino in meta.entries():
+    for parent, name, ino in meta.namespace.entries():
         assert ino in inodes, f"entry {name!r} in {parent} names missing inode {ino}"
         assert parent in inodes and inodes[parent].is_dir, f"entry {name!r} in non-dir {parent}"
         names[ino].append((parent, name))
@@ -220,7 +221,7 @@ def check_store(meta: MetaStore) -> None:
             assert listed == expected, f"readdir of {ino} differs from its entries"
             cookies = [cookie for _, _, cookie in listing(meta, ino)]
             assert cookies == sorted(set(cookies))
-            typed = meta.readdir_types_page(ino, 0, len(inodes))
+            typed = meta.namespace.readdir_types_page(ino, 0, len(inodes))
             assert [(name, child, cookie) for name, child, _, cookie in typed] == \
                 listing(meta, ino), f"the listing without attributes of {ino} differs"
             assert all(file_type == stat.S_IFMT(inodes[child].mode)
@@ -228,7 +229,7 @@ def check_store(meta: MetaStore) -> None:
         if ino == ROOT_INO:
             assert not names[ino]
             continue
-        assert sorted(meta.names(ino)) == sorted(names[ino]), f"links of {ino}"
+        assert sorted(meta.namespace.names(ino)) == sorted(names[ino]), f"links of {ino}"
         assert (inode.parent, inode.name) in names[ino], f"primary name of {ino} is no name"
         if inode.is_dir:
             assert len(names[ino]) == 1, f"directory {ino} has several names"
@@ -236,30 +237,30 @@ def check_store(meta: MetaStore) -> None:
             assert inode.nlink == len(names[ino]), f"inode {ino} nlink {inode.nlink}"
 
     regular = {ino for ino, inode in inodes.items() if not inode.is_dir}
-    recent = meta.least_recent(len(inodes) + 10)
+    recent = meta.recency.least_recent(len(inodes) + 10)
     assert sorted(inode.ino for _, inode in recent) == sorted(regular), "recency index"
     for key, inode in recent:
         assert int.from_bytes(key[:8], "big") == inode.atime_ns, f"recency of {inode.ino}"
     assert [key for key, _ in recent] == sorted(key for key, _ in recent)
 
-    blobs = {blob.blob_id: blob for blob in meta.blobs()}
+    blobs = {blob.blob_id: blob for blob in meta.content.blobs()}
     owners = {inode.blob: inode for inode in inodes.values() if inode.blob}
     assert owners.keys() == blobs.keys(), "blob records and the inodes pointing at them"
     for blob_id, blob in blobs.items():
         owner = owners[blob_id]
         assert (blob.ino, blob.size, blob.allocated) == (owner.ino, owner.size,
                                                          owner.allocated)
-    assert not set(meta.doomed()) & blobs.keys(), "a live blob is doomed"
-    assert meta.pinned() <= inodes.keys()
-    for ino in meta.pinned():
-        meta.getxattr(ino, PIN_XATTR)
+    assert not set(meta.content.doomed()) & blobs.keys(), "a live blob is doomed"
+    assert meta.recency.pinned() <= inodes.keys()
+    for ino in meta.recency.pinned():
+        meta.namespace.getxattr(ino, PIN_XATTR)
 
 
 # -- namespace ------------------------------------------------------------------------------
 
 
 def test_make_lookup_get(meta: MetaStore) -> None:
-    assert meta.get(ROOT_INO).is_dir and meta.get(ROOT_INO).nlink == 2
+    assert meta.namespace.get(ROOT_INO).is_dir and meta.namespace.get(ROOT_INO).nlink == 2
     before = time.time_ns()
     f = mkfile(meta, b"f")
     d = mkdir(meta, b"d")
@@ -268,37 +269,38 @@ def test_make_lookup_get(meta: MetaStore) -> None:
     assert (f.parent, f.name) == (ROOT_INO, b"f") and f.mtime_ns >= before
     assert d.is_dir and d.nlink == 2 and (d.parent, d.name) == (ROOT_INO, b"d")
     assert f.ino != d.ino and ROOT_INO not in (f.ino, d.ino)
-    assert meta.lookup(ROOT_INO, b"f") == meta.get(f.ino) == f
-    assert meta.lookup(ROOT_INO, b"d") == meta.get(d.ino) == d
-    assert meta.lookup(ROOT_INO, b"missing") is None
-    assert meta.get(ROOT_INO).nlink == 3  # one subdirectory
-    refused(errno.ENOENT, meta.get, 999_999)
+    assert meta.namespace.lookup(ROOT_INO, b"f") == meta.namespace.get(f.ino) == f
+    assert meta.namespace.lookup(ROOT_INO, b"d") == meta.namespace.get(d.ino) == d
+    assert meta.namespace.lookup(ROOT_INO, b"missing") is None
+    assert meta.namespace.get(ROOT_INO).nlink == 3  # one subdirectory
+    refused(errno.ENOENT, meta.namespace.get, 999_999)
 
     refused(errno.EEXIST, mkfile, meta, b"f")
     refused(errno.EEXIST, mkdir, meta, b"f")
     refused(errno.EEXIST, mkfile, meta, b"d")
     refused(errno.ENOTDIR, mkfile, meta, b"x", f.ino)
     refused(errno.ENOENT, mkfile, meta, b"x", 999_999)
-    assert meta.get(ROOT_INO).nlink == 3 and meta.usage().files == 1
+    assert meta.namespace.get(ROOT_INO).nlink == 3 and meta.recency.usage().files == 1
 
     inner = mkfile(meta, b"f", d.ino)  # one name in two directories: two files
-    assert inner.ino != f.ino and meta.lookup(d.ino, b"f") == inner
+    assert inner.ino != f.ino and meta.namespace.lookup(d.ino, b"f") == inner
 
-    link = meta.make(d.ino, b"link", stat.S_IFLNK | 0o777, UID, GID, target=b"../f")
+    link = meta.namespace.make(d.ino, b"link", stat.S_IFLNK | 0o777, UID, GID, target=b"../f")
     assert stat.S_ISLNK(link.mode) and link.size == 4
-    assert meta.readlink(link.ino) == b"../f"
-    refused(errno.EINVAL, meta.readlink, f.ino)
-    refused(errno.EINVAL, meta.make, d.ino, b"l2", stat.S_IFLNK | 0o777, UID, GID, target=b"")
-    refused(errno.ENAMETOOLONG, meta.make, d.ino, b"l2", stat.S_IFLNK | 0o777, UID, GID,
+    assert meta.namespace.readlink(link.ino) == b"../f"
+    refused(errno.EINVAL, meta.namespace.readlink, f.ino)
+    refused(errno.EINVAL, meta.namespace.make, d.ino, b"l2", stat.S_IFLNK | 0o777, UID, GID,
+            target=b"")
+    refused(errno.ENAMETOOLONG, meta.namespace.make, d.ino, b"l2", stat.S_IFLNK | 0o777, UID, GID,
             target=b"t" * PATH_MAX)
-    device = meta.make(d.ino, b"dev", stat.S_IFCHR | 0o600, UID, GID, rdev=0x0501)
-    fifo = meta.make(d.ino, b"fifo", stat.S_IFIFO | 0o600, UID, GID, rdev=0x0501)
+    device = meta.namespace.make(d.ino, b"dev", stat.S_IFCHR | 0o600, UID, GID, rdev=0x0501)
+    fifo = meta.namespace.make(d.ino, b"fifo", stat.S_IFIFO | 0o600, UID, GID, rdev=0x0501)
     assert (device.rdev, fifo.rdev) == (0x0501, 0)  # only devices keep a device number
-    assert meta.usage().files == 5  # every non-directory counts
+    assert meta.recency.usage().files == 5  # every non-directory counts
 
-    shared = meta.make(ROOT_INO, b"sgid", DIR | stat.S_ISGID, UID, 4242)
-    sub = meta.make(shared.ino, b"sub", DIR, UID, GID)
-    inherited = meta.make(shared.ino, b"file", FILE, UID, GID)
+    shared = meta.namespace.make(ROOT_INO, b"sgid", DIR | stat.S_ISGID, UID, 4242)
+    sub = meta.namespace.make(shared.ino, b"sub", DIR, UID, GID)
+    inherited = meta.namespace.make(shared.ino, b"file", FILE, UID, GID)
     assert (sub.gid, inherited.gid) == (4242, 4242)  # BSD groups under a setgid directory
     assert sub.mode & stat.S_ISGID and not inherited.mode & stat.S_ISGID
 
@@ -306,22 +308,22 @@ def test_make_lookup_get(meta: MetaStore) -> None:
 def test_names_up_to_name_max(meta: MetaStore) -> None:
     longest, too_long = b"n" * NAME_MAX, b"n" * (NAME_MAX + 1)
     f = mkfile(meta, longest)
-    assert meta.lookup(ROOT_INO, longest) == f
+    assert meta.namespace.lookup(ROOT_INO, longest) == f
     assert names_in(meta, ROOT_INO) == [longest]
     d = mkdir(meta, b"d" * NAME_MAX)
     refused(errno.ENAMETOOLONG, mkfile, meta, too_long)
     refused(errno.ENAMETOOLONG, mkdir, meta, too_long, d.ino)
-    refused(errno.ENAMETOOLONG, meta.lookup, ROOT_INO, too_long)
-    refused(errno.ENAMETOOLONG, meta.link, f.ino, d.ino, too_long)
-    refused(errno.ENAMETOOLONG, meta.rename, ROOT_INO, longest, d.ino, too_long, 0)
-    refused(errno.ENAMETOOLONG, meta.rename, ROOT_INO, too_long, d.ino, b"x", 0)
-    refused(errno.ENAMETOOLONG, meta.remove, ROOT_INO, too_long, False)
+    refused(errno.ENAMETOOLONG, meta.namespace.lookup, ROOT_INO, too_long)
+    refused(errno.ENAMETOOLONG, meta.namespace.link, f.ino, d.ino, too_long)
+    refused(errno.ENAMETOOLONG, meta.namespace.rename, ROOT_INO, longest, d.ino, too_long, 0)
+    refused(errno.ENAMETOOLONG, meta.namespace.rename, ROOT_INO, too_long, d.ino, b"x", 0)
+    refused(errno.ENAMETOOLONG, meta.namespace.remove, ROOT_INO, too_long, False)
     for bad in (b"", b".", b"..", b"a/b", b"a\0b"):
         refused(errno.EINVAL, mkfile, meta, bad)
-    meta.link(f.ino, d.ino, longest)
-    meta.rename(d.ino, longest, ROOT_INO, b"m" * NAME_MAX, 0)
+    meta.namespace.link(f.ino, d.ino, longest)
+    meta.namespace.rename(d.ino, longest, ROOT_INO, b"m" * NAME_MAX, 0)
     assert sorted(names_in(meta, ROOT_INO)) == [b"d" * NAME_MAX, b"m" * NAME_MAX, longest]
-    assert meta.get(f.ino).nlink == 2
+    assert meta.namespace.get(f.ino).nlink == 2
 
 
 def test_readdir_order_and_resumption(meta: MetaStore) -> None:
@@ -339,18 +341,18 @@ def test_readdir_order_and_resumption(meta: MetaStore) -> None:
 
     # Between two readdir calls: entries come and go; resumption neither repeats nor skips.
     paused = cookies[9]
-    meta.remove(d.ino, b"e03", True)  # listed already
-    meta.remove(d.ino, b"e11", False)  # still to come
+    meta.namespace.remove(d.ino, b"e03", True)  # listed already
+    meta.namespace.remove(d.ino, b"e11", False)  # still to come
     added = mkfile(meta, b"late", d.ino)
     rest = listing(meta, d.ino, paused)
     assert [name for name, _, _ in rest] == [f"e{i:02}".encode() for i in range(10, 20)
                                              if i != 11] + [b"late"]
     assert rest[-1][1] == added.ino and rest[-1][2] > cookies[-1]
-    meta.remove(d.ino, b"e09", True)  # the very entry the listing paused at
+    meta.namespace.remove(d.ino, b"e09", True)  # the very entry the listing paused at
     assert listing(meta, d.ino, paused) == rest
 
     # A renamed entry is a new entry: it comes last.
-    meta.rename(d.ino, b"e00", d.ino, b"first-renamed", 0)
+    meta.namespace.rename(d.ino, b"e00", d.ino, b"first-renamed", 0)
     assert names_in(meta, d.ino)[-1] == b"first-renamed"
 
 
@@ -368,11 +370,11 @@ def test_readdir_and_recency_past_batch_sizes(meta: MetaStore) -> None:
 
     base = time.time_ns() + 10**12
     # the newest made: the oldest use
-    meta.record_uses({ino: base + count - i for i, ino in enumerate(made)})
-    order = [inode.ino for _, inode in meta.least_recent(count)]
+    meta.recency.record_uses({ino: base + count - i for i, ino in enumerate(made)})
+    order = [inode.ino for _, inode in meta.recency.least_recent(count)]
     assert order == made[::-1]
-    first = meta.least_recent(300)
-    second = meta.least_recent(300, after=first[-1][0])
+    first = meta.recency.least_recent(300)
+    second = meta.recency.least_recent(300, after=first[-1][0])
     assert [i.ino for _, i in first] + [i.ino for _, i in second] == made[::-1]
 
 
@@ -384,7 +386,7 @@ def link_records(meta: MetaStore) -> set[tuple[int, int, bytes]]:
     each one's apart)."""
     found = set()
     with meta.engine.snapshot() as txn:
-        for inode in meta.inodes():
+        for inode in meta.namespace.inodes():
             prefix = u64(inode.ino)
             for key, _ in txn.scan("links", prefix):
                 if key[:8] != prefix:
@@ -397,86 +399,89 @@ def test_hard_links_and_nlink(meta: MetaStore) -> None:
     d = mkdir(meta, b"d")
     f = mkfile(meta, MODEL_NAME)
     blob = new_blob(meta, f.ino, 10_000)
-    meta.commit_content(f.ino, blob)
-    assert meta.models() == {"llama": {"files": 1, "bytes": blob.allocated}}
+    meta.content.commit_content(f.ino, blob)
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": blob.allocated}}
 
-    linked = meta.link(f.ino, d.ino, b"plain")
-    assert linked.nlink == 2 and meta.get(f.ino).nlink == 2
-    assert meta.lookup(d.ino, b"plain").ino == meta.lookup(ROOT_INO, MODEL_NAME).ino == f.ino
-    assert sorted(meta.names(f.ino)) == sorted([(ROOT_INO, MODEL_NAME), (d.ino, b"plain")])
+    linked = meta.namespace.link(f.ino, d.ino, b"plain")
+    assert linked.nlink == 2 and meta.namespace.get(f.ino).nlink == 2
+    assert meta.namespace.lookup(d.ino, b"plain").ino == f.ino
+    assert meta.namespace.lookup(ROOT_INO, MODEL_NAME).ino == f.ino
+    assert sorted(meta.namespace.names(f.ino)) == sorted([(ROOT_INO, MODEL_NAME),
+                                                          (d.ino, b"plain")])
     assert (linked.parent, linked.name) == (ROOT_INO, MODEL_NAME)  # the first name stays primary
-    assert meta.usage().files == 1 and meta.usage().used == blob.allocated  # counted once
+    usage = meta.recency.usage()
+    assert usage.files == 1 and usage.used == blob.allocated  # counted once
     assert link_records(meta) == {(f.ino, ROOT_INO, MODEL_NAME), (f.ino, d.ino, b"plain")}
-    meta.link(f.ino, ROOT_INO, b"third")
-    assert meta.get(f.ino).nlink == 3
+    meta.namespace.link(f.ino, ROOT_INO, b"third")
+    assert meta.namespace.get(f.ino).nlink == 3
 
-    refused(errno.EPERM, meta.link, d.ino, ROOT_INO, b"dirlink")
-    refused(errno.EEXIST, meta.link, f.ino, d.ino, b"plain")
-    refused(errno.ENOTDIR, meta.link, f.ino, f.ino, b"x")
-    refused(errno.ENOENT, meta.link, 999_999, d.ino, b"x")
-    refused(errno.ENOENT, meta.link, f.ino, 999_999, b"x")
+    refused(errno.EPERM, meta.namespace.link, d.ino, ROOT_INO, b"dirlink")
+    refused(errno.EEXIST, meta.namespace.link, f.ino, d.ino, b"plain")
+    refused(errno.ENOTDIR, meta.namespace.link, f.ino, f.ino, b"x")
+    refused(errno.ENOENT, meta.namespace.link, 999_999, d.ino, b"x")
+    refused(errno.ENOENT, meta.namespace.link, f.ino, 999_999, b"x")
 
-    removed = meta.remove(ROOT_INO, MODEL_NAME, False)  # the primary name goes
+    removed = meta.namespace.remove(ROOT_INO, MODEL_NAME, False)  # the primary name goes
     assert isinstance(removed, Removed) and not removed.gone
     assert removed.names == [(ROOT_INO, MODEL_NAME)] and removed.inode.nlink == 2
-    after = meta.get(f.ino)
-    assert after.nlink == 2 and (after.parent, after.name) in meta.names(f.ino)
+    after = meta.namespace.get(f.ino)
+    assert after.nlink == 2 and (after.parent, after.name) in meta.namespace.names(f.ino)
     assert (after.parent, after.name) != (ROOT_INO, MODEL_NAME)
-    assert meta.models() == {}  # its primary name is no model's any more
-    assert meta.lookup(ROOT_INO, MODEL_NAME) is None
+    assert meta.recency.models() == {}  # its primary name is no model's any more
+    assert meta.namespace.lookup(ROOT_INO, MODEL_NAME) is None
 
     assert link_records(meta) == {(f.ino, ROOT_INO, b"third"), (f.ino, d.ino, b"plain")}
-    assert not meta.remove(ROOT_INO, b"third", False).gone
+    assert not meta.namespace.remove(ROOT_INO, b"third", False).gone
     # one name left: `links` holds none (the inode record names it)
-    assert link_records(meta) == set() and meta.names(f.ino) == [(d.ino, b"plain")]
-    meta.rename(d.ino, b"plain", ROOT_INO, b"moved", 0)
-    assert meta.names(f.ino) == [(ROOT_INO, b"moved")] and link_records(meta) == set()
-    meta.link(f.ino, d.ino, b"again")
+    assert link_records(meta) == set() and meta.namespace.names(f.ino) == [(d.ino, b"plain")]
+    meta.namespace.rename(d.ino, b"plain", ROOT_INO, b"moved", 0)
+    assert meta.namespace.names(f.ino) == [(ROOT_INO, b"moved")] and link_records(meta) == set()
+    meta.namespace.link(f.ino, d.ino, b"again")
     assert link_records(meta) == {(f.ino, ROOT_INO, b"moved"), (f.ino, d.ino, b"again")}
-    meta.rename(ROOT_INO, b"moved", d.ino, b"plain", 0)
+    meta.namespace.rename(ROOT_INO, b"moved", d.ino, b"plain", 0)
     assert link_records(meta) == {(f.ino, d.ino, b"plain"), (f.ino, d.ino, b"again")}
-    assert not meta.remove(d.ino, b"again", False).gone
-    last = meta.remove(d.ino, b"plain", False)
+    assert not meta.namespace.remove(d.ino, b"again", False).gone
+    last = meta.namespace.remove(d.ino, b"plain", False)
     assert last.gone and last.inode.ino == f.ino and last.names == [(d.ino, b"plain")]
-    refused(errno.ENOENT, meta.get, f.ino)
-    assert blob.blob_id in meta.doomed() and meta.blob_info(blob.blob_id) is None
-    assert meta.usage().files == 0 and meta.usage().used == 0
+    refused(errno.ENOENT, meta.namespace.get, f.ino)
+    assert blob.blob_id in meta.content.doomed() and meta.content.blob_info(blob.blob_id) is None
+    assert meta.recency.usage().files == 0 and meta.recency.usage().used == 0
 
 
 def test_remove_files_and_directories(meta: MetaStore) -> None:
     d = mkdir(meta, b"d")
     sub = mkdir(meta, b"sub", d.ino)
     f = mkfile(meta, b"f", d.ino)
-    link = meta.make(ROOT_INO, b"sym", stat.S_IFLNK | 0o777, UID, GID, target=b"d/f")
-    assert meta.get(d.ino).nlink == 3
+    link = meta.namespace.make(ROOT_INO, b"sym", stat.S_IFLNK | 0o777, UID, GID, target=b"d/f")
+    assert meta.namespace.get(d.ino).nlink == 3
 
-    refused(errno.ENOTEMPTY, meta.remove, ROOT_INO, b"d", True)
-    refused(errno.EISDIR, meta.remove, ROOT_INO, b"d", False)
-    refused(errno.EISDIR, meta.remove, d.ino, b"sub", False)
-    refused(errno.ENOTDIR, meta.remove, d.ino, b"f", True)
-    refused(errno.ENOTDIR, meta.remove, ROOT_INO, b"sym", True)
-    refused(errno.ENOENT, meta.remove, d.ino, b"missing", False)
-    refused(errno.ENOENT, meta.remove, d.ino, b"missing", True)
-    refused(errno.ENOTDIR, meta.remove, f.ino, b"x", False)
-    refused(errno.ENOENT, meta.remove, 999_999, b"x", False)
+    refused(errno.ENOTEMPTY, meta.namespace.remove, ROOT_INO, b"d", True)
+    refused(errno.EISDIR, meta.namespace.remove, ROOT_INO, b"d", False)
+    refused(errno.EISDIR, meta.namespace.remove, d.ino, b"sub", False)
+    refused(errno.ENOTDIR, meta.namespace.remove, d.ino, b"f", True)
+    refused(errno.ENOTDIR, meta.namespace.remove, ROOT_INO, b"sym", True)
+    refused(errno.ENOENT, meta.namespace.remove, d.ino, b"missing", False)
+    refused(errno.ENOENT, meta.namespace.remove, d.ino, b"missing", True)
+    refused(errno.ENOTDIR, meta.namespace.remove, f.ino, b"x", False)
+    refused(errno.ENOENT, meta.namespace.remove, 999_999, b"x", False)
 
-    mtime = meta.get(d.ino).mtime_ns
-    gone = meta.remove(d.ino, b"f", False)
+    mtime = meta.namespace.get(d.ino).mtime_ns
+    gone = meta.namespace.remove(d.ino, b"f", False)
     assert gone.gone and gone.inode.ino == f.ino and gone.names == [(d.ino, b"f")]
-    assert meta.lookup(d.ino, b"f") is None
-    refused(errno.ENOENT, meta.get, f.ino)
-    assert meta.get(d.ino).mtime_ns >= mtime
+    assert meta.namespace.lookup(d.ino, b"f") is None
+    refused(errno.ENOENT, meta.namespace.get, f.ino)
+    assert meta.namespace.get(d.ino).mtime_ns >= mtime
 
-    rmdir = meta.remove(d.ino, b"sub", True)
+    rmdir = meta.namespace.remove(d.ino, b"sub", True)
     assert rmdir.gone and rmdir.inode.ino == sub.ino
-    assert meta.get(d.ino).nlink == 2
-    refused(errno.ENOENT, meta.get, sub.ino)
-    assert meta.remove(ROOT_INO, b"d", True).gone
-    assert meta.get(ROOT_INO).nlink == 2
+    assert meta.namespace.get(d.ino).nlink == 2
+    refused(errno.ENOENT, meta.namespace.get, sub.ino)
+    assert meta.namespace.remove(ROOT_INO, b"d", True).gone
+    assert meta.namespace.get(ROOT_INO).nlink == 2
 
-    assert meta.remove(ROOT_INO, b"sym", False).gone
-    refused(errno.ENOENT, meta.readlink, link.ino)
-    assert listing(meta, ROOT_INO) == [] and meta.usage().files == 0
+    assert meta.namespace.remove(ROOT_INO, b"sym", False).gone
+    refused(errno.ENOENT, meta.namespace.readlink, link.ino)
+    assert listing(meta, ROOT_INO) == [] and meta.recency.usage().files == 0
 
 
 # -- rename ---------------------------------------------------------------------------------
@@ -485,207 +490,218 @@ def test_remove_files_and_directories(meta: MetaStore) -> None:
 def test_rename_plain(meta: MetaStore) -> None:
     a, b = mkdir(meta, b"a"), mkdir(meta, b"b")
     f = mkfile(meta, b"f", a.ino)
-    moved, replaced = meta.rename(a.ino, b"f", a.ino, b"g", 0)
+    moved, replaced = meta.namespace.rename(a.ino, b"f", a.ino, b"g", 0)
     assert replaced is None and moved.ino == f.ino and (moved.parent, moved.name) == (a.ino,
                                                                                       b"g")
-    assert meta.lookup(a.ino, b"f") is None and meta.lookup(a.ino, b"g").ino == f.ino
+    assert meta.namespace.lookup(a.ino, b"f") is None
+    assert meta.namespace.lookup(a.ino, b"g").ino == f.ino
 
-    moved, replaced = meta.rename(a.ino, b"g", b.ino, b"h", RENAME_NOREPLACE)
+    moved, replaced = meta.namespace.rename(a.ino, b"g", b.ino, b"h", RENAME_NOREPLACE)
     assert replaced is None and (moved.parent, moved.name) == (b.ino, b"h")
     assert names_in(meta, a.ino) == [] and names_in(meta, b.ino) == [b"h"]
-    assert meta.names(f.ino) == [(b.ino, b"h")]
+    assert meta.namespace.names(f.ino) == [(b.ino, b"h")]
 
     sub = mkdir(meta, b"sub", a.ino)
-    meta.rename(a.ino, b"sub", b.ino, b"sub2", 0)  # a directory changes parents
-    assert (meta.get(a.ino).nlink, meta.get(b.ino).nlink) == (2, 3)
-    assert (meta.get(sub.ino).parent, meta.get(sub.ino).name) == (b.ino, b"sub2")
+    meta.namespace.rename(a.ino, b"sub", b.ino, b"sub2", 0)  # a directory changes parents
+    assert (meta.namespace.get(a.ino).nlink, meta.namespace.get(b.ino).nlink) == (2, 3)
+    moved_dir = meta.namespace.get(sub.ino)
+    assert (moved_dir.parent, moved_dir.name) == (b.ino, b"sub2")
 
-    refused(errno.ENOENT, meta.rename, a.ino, b"missing", b.ino, b"x", 0)
-    refused(errno.ENOENT, meta.rename, 999_999, b"h", b.ino, b"x", 0)
-    refused(errno.ENOTDIR, meta.rename, b.ino, b"h", f.ino, b"x", 0)
-    refused(errno.EINVAL, meta.rename, b.ino, b"h", a.ino, b"x", 4)
-    refused(errno.EINVAL, meta.rename, b.ino, b"h", a.ino, b"x",
+    refused(errno.ENOENT, meta.namespace.rename, a.ino, b"missing", b.ino, b"x", 0)
+    refused(errno.ENOENT, meta.namespace.rename, 999_999, b"h", b.ino, b"x", 0)
+    refused(errno.ENOTDIR, meta.namespace.rename, b.ino, b"h", f.ino, b"x", 0)
+    refused(errno.EINVAL, meta.namespace.rename, b.ino, b"h", a.ino, b"x", 4)
+    refused(errno.EINVAL, meta.namespace.rename, b.ino, b"h", a.ino, b"x",
             RENAME_NOREPLACE | RENAME_EXCHANGE)
-    assert meta.lookup(b.ino, b"h").ino == f.ino
+    assert meta.namespace.lookup(b.ino, b"h").ino == f.ino
 
     # Per-model usage follows the name: into a model, from one model to another, out of it.
     chunk = mkfile(meta, b"tmp", a.ino)
     blob = new_blob(meta, chunk.ino, 2 * BLOCK)
-    meta.commit_content(chunk.ino, blob)
-    assert meta.models() == {}
-    meta.rename(a.ino, b"tmp", b.ino, MODEL_NAME, 0)
-    assert meta.models() == {"llama": {"files": 1, "bytes": 2 * BLOCK}}
-    meta.rename(b.ino, MODEL_NAME, b.ino, b"qwen@1@0@beef@bf16.data", 0)
-    assert meta.models() == {"qwen": {"files": 1, "bytes": 2 * BLOCK}}
-    meta.rename(b.ino, b"qwen@1@0@beef@bf16.data", a.ino, b"done", 0)
-    assert meta.models() == {}
+    meta.content.commit_content(chunk.ino, blob)
+    assert meta.recency.models() == {}
+    meta.namespace.rename(a.ino, b"tmp", b.ino, MODEL_NAME, 0)
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": 2 * BLOCK}}
+    meta.namespace.rename(b.ino, MODEL_NAME, b.ino, b"qwen@1@0@beef@bf16.data", 0)
+    assert meta.recency.models() == {"qwen": {"files": 1, "bytes": 2 * BLOCK}}
+    meta.namespace.rename(b.ino, b"qwen@1@0@beef@bf16.data", a.ino, b"done", 0)
+    assert meta.recency.models() == {}
 
 
 def test_rename_over_an_existing_file(meta: MetaStore) -> None:
     d = mkdir(meta, b"d")
     src, dst = mkfile(meta, b"src"), mkfile(meta, b"dst", d.ino)
     src_blob, dst_blob = new_blob(meta, src.ino, 5000), new_blob(meta, dst.ino, 9000)
-    meta.commit_content(src.ino, src_blob)
-    meta.commit_content(dst.ino, dst_blob)
+    meta.content.commit_content(src.ino, src_blob)
+    meta.content.commit_content(dst.ino, dst_blob)
 
-    moved, replaced = meta.rename(ROOT_INO, b"src", d.ino, b"dst", 0)
+    moved, replaced = meta.namespace.rename(ROOT_INO, b"src", d.ino, b"dst", 0)
     assert moved.ino == src.ino and (moved.parent, moved.name) == (d.ino, b"dst")
     assert isinstance(replaced, Removed) and replaced.gone
     assert replaced.inode.ino == dst.ino and replaced.names == [(d.ino, b"dst")]
     assert replaced.inode.blob == dst_blob.blob_id
-    refused(errno.ENOENT, meta.get, dst.ino)
-    assert dst_blob.blob_id in meta.doomed() and meta.blob_info(dst_blob.blob_id) is None
-    assert meta.usage().used == src_blob.allocated and meta.usage().files == 1
-    assert meta.content(src.ino)[1] == src_blob
+    refused(errno.ENOENT, meta.namespace.get, dst.ino)
+    assert dst_blob.blob_id in meta.content.doomed()
+    assert meta.content.blob_info(dst_blob.blob_id) is None
+    assert meta.recency.usage().used == src_blob.allocated and meta.recency.usage().files == 1
+    assert meta.content.get(src.ino)[1] == src_blob
 
     # A target with another name loses only this one.
     other = mkfile(meta, b"other")
-    meta.link(other.ino, d.ino, b"other-link")
-    _, replaced = meta.rename(d.ino, b"dst", ROOT_INO, b"other", 0)
+    meta.namespace.link(other.ino, d.ino, b"other-link")
+    _, replaced = meta.namespace.rename(d.ino, b"dst", ROOT_INO, b"other", 0)
     assert replaced is not None and not replaced.gone and replaced.inode.nlink == 1
-    assert meta.names(other.ino) == [(d.ino, b"other-link")]
-    assert meta.get(other.ino).name == b"other-link"
+    assert meta.namespace.names(other.ino) == [(d.ino, b"other-link")]
+    assert meta.namespace.get(other.ino).name == b"other-link"
 
     # Onto another name of the same file: nothing happens (POSIX).
-    meta.link(src.ino, d.ino, b"alias")
-    moved, replaced = meta.rename(ROOT_INO, b"other", d.ino, b"alias", 0)
+    meta.namespace.link(src.ino, d.ino, b"alias")
+    moved, replaced = meta.namespace.rename(ROOT_INO, b"other", d.ino, b"alias", 0)
     assert replaced is None and moved.ino == src.ino
-    assert sorted(meta.names(src.ino)) == sorted([(ROOT_INO, b"other"), (d.ino, b"alias")])
+    assert sorted(meta.namespace.names(src.ino)) == sorted([(ROOT_INO, b"other"),
+                                                            (d.ino, b"alias")])
 
 
 def test_rename_noreplace_and_exchange(meta: MetaStore) -> None:
     a, b = mkdir(meta, b"a"), mkdir(meta, b"b")
     x, y = mkfile(meta, b"x", a.ino), mkfile(meta, b"y", b.ino)
-    refused(errno.EEXIST, meta.rename, a.ino, b"x", b.ino, b"y", RENAME_NOREPLACE)
-    assert meta.lookup(a.ino, b"x").ino == x.ino and meta.lookup(b.ino, b"y").ino == y.ino
+    refused(errno.EEXIST, meta.namespace.rename, a.ino, b"x", b.ino, b"y", RENAME_NOREPLACE)
+    assert meta.namespace.lookup(a.ino, b"x").ino == x.ino
+    assert meta.namespace.lookup(b.ino, b"y").ino == y.ino
 
-    moved, replaced = meta.rename(a.ino, b"x", b.ino, b"y", RENAME_EXCHANGE)
+    moved, replaced = meta.namespace.rename(a.ino, b"x", b.ino, b"y", RENAME_EXCHANGE)
     assert replaced is None and moved.ino == x.ino
-    assert meta.lookup(a.ino, b"x").ino == y.ino and meta.lookup(b.ino, b"y").ino == x.ino
-    assert (meta.get(x.ino).parent, meta.get(x.ino).name) == (b.ino, b"y")
-    assert (meta.get(y.ino).parent, meta.get(y.ino).name) == (a.ino, b"x")
-    refused(errno.ENOENT, meta.rename, a.ino, b"x", b.ino, b"missing", RENAME_EXCHANGE)
+    assert meta.namespace.lookup(a.ino, b"x").ino == y.ino
+    assert meta.namespace.lookup(b.ino, b"y").ino == x.ino
+    assert (meta.namespace.get(x.ino).parent, meta.namespace.get(x.ino).name) == (b.ino, b"y")
+    assert (meta.namespace.get(y.ino).parent, meta.namespace.get(y.ino).name) == (a.ino, b"x")
+    refused(errno.ENOENT, meta.namespace.rename, a.ino, b"x", b.ino, b"missing", RENAME_EXCHANGE)
 
     # A directory and a file in two directories: the parents' link counts follow.
     sub = mkdir(meta, b"sub", a.ino)
-    assert (meta.get(a.ino).nlink, meta.get(b.ino).nlink) == (3, 2)
-    meta.rename(a.ino, b"sub", b.ino, b"y", RENAME_EXCHANGE)
-    assert (meta.get(a.ino).nlink, meta.get(b.ino).nlink) == (2, 3)
-    assert meta.lookup(b.ino, b"y").ino == sub.ino and meta.lookup(a.ino, b"sub").ino == x.ino
-    assert meta.get(sub.ino).parent == b.ino
+    assert (meta.namespace.get(a.ino).nlink, meta.namespace.get(b.ino).nlink) == (3, 2)
+    meta.namespace.rename(a.ino, b"sub", b.ino, b"y", RENAME_EXCHANGE)
+    assert (meta.namespace.get(a.ino).nlink, meta.namespace.get(b.ino).nlink) == (2, 3)
+    assert meta.namespace.lookup(b.ino, b"y").ino == sub.ino
+    assert meta.namespace.lookup(a.ino, b"sub").ino == x.ino
+    assert meta.namespace.get(sub.ino).parent == b.ino
 
     # In one directory: its link count stays.
     here = mkfile(meta, b"here", b.ino)
-    meta.rename(b.ino, b"here", b.ino, b"y", RENAME_EXCHANGE)
-    assert meta.get(b.ino).nlink == 3 and meta.lookup(b.ino, b"here").ino == sub.ino
-    assert (meta.get(here.ino).name, meta.get(sub.ino).name) == (b"y", b"here")
-    meta.rename(b.ino, b"here", b.ino, b"y", RENAME_EXCHANGE)  # and back
+    meta.namespace.rename(b.ino, b"here", b.ino, b"y", RENAME_EXCHANGE)
+    assert meta.namespace.get(b.ino).nlink == 3
+    assert meta.namespace.lookup(b.ino, b"here").ino == sub.ino
+    assert (meta.namespace.get(here.ino).name, meta.namespace.get(sub.ino).name) == (b"y", b"here")
+    meta.namespace.rename(b.ino, b"here", b.ino, b"y", RENAME_EXCHANGE)  # and back
 
     # Two files of two models: each takes the other's name, and so its model.
     small, big = mkfile(meta, MODEL_NAME, a.ino), mkfile(meta, b"qwen@1@0@beef@bf16.data")
-    meta.commit_content(small.ino, new_blob(meta, small.ino, BLOCK))
-    meta.commit_content(big.ino, new_blob(meta, big.ino, 3 * BLOCK))
-    meta.rename(a.ino, MODEL_NAME, ROOT_INO, b"qwen@1@0@beef@bf16.data", RENAME_EXCHANGE)
-    assert meta.models() == {"llama": {"files": 1, "bytes": 3 * BLOCK},
+    meta.content.commit_content(small.ino, new_blob(meta, small.ino, BLOCK))
+    meta.content.commit_content(big.ino, new_blob(meta, big.ino, 3 * BLOCK))
+    meta.namespace.rename(a.ino, MODEL_NAME, ROOT_INO, b"qwen@1@0@beef@bf16.data", RENAME_EXCHANGE)
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": 3 * BLOCK},
                              "qwen": {"files": 1, "bytes": BLOCK}}
 
     # Never a directory with one of its own descendants.
     deep = mkdir(meta, b"deep", sub.ino)
-    refused(errno.EINVAL, meta.rename, b.ino, b"y", sub.ino, b"deep", RENAME_EXCHANGE)
-    refused(errno.EINVAL, meta.rename, sub.ino, b"deep", b.ino, b"y", RENAME_EXCHANGE)
-    assert meta.get(deep.ino).parent == sub.ino
+    refused(errno.EINVAL, meta.namespace.rename, b.ino, b"y", sub.ino, b"deep", RENAME_EXCHANGE)
+    refused(errno.EINVAL, meta.namespace.rename, sub.ino, b"deep", b.ino, b"y", RENAME_EXCHANGE)
+    assert meta.namespace.get(deep.ino).parent == sub.ino
 
 
 def test_rename_noreplace_onto_another_name_of_the_same_file(meta: MetaStore) -> None:
     f = mkfile(meta, b"a")
-    meta.link(f.ino, ROOT_INO, b"b")
+    meta.namespace.link(f.ino, ROOT_INO, b"b")
     try:
-        refused(errno.EEXIST, meta.rename, ROOT_INO, b"a", ROOT_INO, b"b", RENAME_NOREPLACE)
+        refused(errno.EEXIST, meta.namespace.rename, ROOT_INO, b"a", ROOT_INO, b"b",
+                RENAME_NOREPLACE)
     finally:  # the store is the same either way: the teardown's check holds
-        assert sorted(meta.names(f.ino)) == [(ROOT_INO, b"a"), (ROOT_INO, b"b")]
+        assert sorted(meta.namespace.names(f.ino)) == [(ROOT_INO, b"a"), (ROOT_INO, b"b")]
 
 
 def test_rename_directory_rules(meta: MetaStore) -> None:
     top = mkdir(meta, b"top")
     child = mkdir(meta, b"child", top.ino)
     grandchild = mkdir(meta, b"grandchild", child.ino)
-    refused(errno.EINVAL, meta.rename, ROOT_INO, b"top", top.ino, b"x", 0)
-    refused(errno.EINVAL, meta.rename, ROOT_INO, b"top", child.ino, b"x", 0)
-    refused(errno.EINVAL, meta.rename, ROOT_INO, b"top", grandchild.ino, b"x", 0)
-    refused(errno.EINVAL, meta.rename, top.ino, b"child", grandchild.ino, b"x", 0)
+    refused(errno.EINVAL, meta.namespace.rename, ROOT_INO, b"top", top.ino, b"x", 0)
+    refused(errno.EINVAL, meta.namespace.rename, ROOT_INO, b"top", child.ino, b"x", 0)
+    refused(errno.EINVAL, meta.namespace.rename, ROOT_INO, b"top", grandchild.ino, b"x", 0)
+    refused(errno.EINVAL, meta.namespace.rename, top.ino, b"child", grandchild.ino, b"x", 0)
 
     full = mkdir(meta, b"full")
     mkfile(meta, b"f", full.ino)
     empty = mkdir(meta, b"empty")
     plain = mkfile(meta, b"plain")
-    refused(errno.ENOTEMPTY, meta.rename, ROOT_INO, b"empty", ROOT_INO, b"full", 0)
-    refused(errno.ENOTDIR, meta.rename, ROOT_INO, b"empty", ROOT_INO, b"plain", 0)
-    refused(errno.EISDIR, meta.rename, ROOT_INO, b"plain", ROOT_INO, b"empty", 0)
-    assert meta.lookup(ROOT_INO, b"full").ino == full.ino
+    refused(errno.ENOTEMPTY, meta.namespace.rename, ROOT_INO, b"empty", ROOT_INO, b"full", 0)
+    refused(errno.ENOTDIR, meta.namespace.rename, ROOT_INO, b"empty", ROOT_INO, b"plain", 0)
+    refused(errno.EISDIR, meta.namespace.rename, ROOT_INO, b"plain", ROOT_INO, b"empty", 0)
+    assert meta.namespace.lookup(ROOT_INO, b"full").ino == full.ino
 
-    root_links = meta.get(ROOT_INO).nlink
-    moved, replaced = meta.rename(top.ino, b"child", ROOT_INO, b"empty", 0)
+    root_links = meta.namespace.get(ROOT_INO).nlink
+    moved, replaced = meta.namespace.rename(top.ino, b"child", ROOT_INO, b"empty", 0)
     assert moved.ino == child.ino and replaced is not None and replaced.gone
     assert replaced.inode.ino == empty.ino
-    refused(errno.ENOENT, meta.get, empty.ino)
-    assert meta.get(ROOT_INO).nlink == root_links  # one directory gone, one come
-    assert meta.get(top.ino).nlink == 2
-    assert meta.lookup(ROOT_INO, b"empty").ino == child.ino
-    assert meta.lookup(child.ino, b"grandchild").ino == grandchild.ino
-    assert meta.get(plain.ino).nlink == 1
+    refused(errno.ENOENT, meta.namespace.get, empty.ino)
+    assert meta.namespace.get(ROOT_INO).nlink == root_links  # one directory gone, one come
+    assert meta.namespace.get(top.ino).nlink == 2
+    assert meta.namespace.lookup(ROOT_INO, b"empty").ino == child.ino
+    assert meta.namespace.lookup(child.ino, b"grandchild").ino == grandchild.ino
+    assert meta.namespace.get(plain.ino).nlink == 1
 
 
 # -- content --------------------------------------------------------------------------------
 
 
 def test_content_blobs_and_usage(meta: MetaStore) -> None:
-    ids = meta.allocate_blob_ids(3)
-    more = meta.allocate_blob_ids(2)
+    ids = meta.content.allocate_blob_ids(3)
+    more = meta.content.allocate_blob_ids(2)
     assert len(ids) == 3 and len(more) == 2 and min(more) > max(ids) > 0
 
     f = mkfile(meta, MODEL_NAME)
     first = new_blob(meta, f.ino, 3 * BLOCK + 100)
-    inode, old = meta.commit_content(f.ino, first)
+    inode, old = meta.content.commit_content(f.ino, first)
     assert old == 0
     assert (inode.size, inode.allocated, inode.blob, inode.version) == (
         3 * BLOCK + 100, 4 * BLOCK, first.blob_id, 1)
-    assert meta.content(f.ino) == (inode, first)
-    assert meta.blob_info(first.blob_id) == first and meta.is_committed_blob(first.blob_id)
-    assert meta.usage().used == 4 * BLOCK and meta.usage().files == 1
-    assert meta.models() == {"llama": {"files": 1, "bytes": 4 * BLOCK}}
+    assert meta.content.get(f.ino) == (inode, first)
+    assert meta.content.blob_info(first.blob_id) == first
+    assert meta.content.is_committed_blob(first.blob_id)
+    assert meta.recency.usage().used == 4 * BLOCK and meta.recency.usage().files == 1
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": 4 * BLOCK}}
 
     sparse = new_blob(meta, f.ino, 1 << 26, allocated=2 * BLOCK)  # many sums: compressed
-    inode, old = meta.commit_content(f.ino, sparse)
+    inode, old = meta.content.commit_content(f.ino, sparse)
     assert old == first.blob_id and inode.version == 2
-    assert meta.blob_info(first.blob_id) is None and first.blob_id in meta.doomed()
-    stored = meta.blob_info(sparse.blob_id)
+    assert meta.content.blob_info(first.blob_id) is None and first.blob_id in meta.content.doomed()
+    stored = meta.content.blob_info(sparse.blob_id)
     assert stored == sparse and len(stored.sums) == (1 << 26) // BLOCK
-    assert meta.usage().used == 2 * BLOCK
-    assert meta.models() == {"llama": {"files": 1, "bytes": 2 * BLOCK}}
+    assert meta.recency.usage().used == 2 * BLOCK
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": 2 * BLOCK}}
 
-    inode, old = meta.commit_content(f.ino, None)  # truncated to nothing
+    inode, old = meta.content.commit_content(f.ino, None)  # truncated to nothing
     assert old == sparse.blob_id and (inode.size, inode.allocated, inode.blob) == (0, 0, 0)
-    assert meta.content(f.ino) == (inode, None)
-    assert meta.usage().used == 0 and meta.models() == {"llama": {"files": 1, "bytes": 0}}
+    assert meta.content.get(f.ino) == (inode, None)
+    assert meta.recency.usage().used == 0
+    assert meta.recency.models() == {"llama": {"files": 1, "bytes": 0}}
 
     # A file removed while its blob was written: the commit fails, nothing is recorded.
     late = mkfile(meta, b"late")
     orphan = new_blob(meta, late.ino, BLOCK)
-    meta.remove(ROOT_INO, b"late", False)
-    refused(errno.ENOENT, meta.commit_content, late.ino, orphan)
-    assert meta.blob_info(orphan.blob_id) is None and meta.usage().used == 0
+    meta.namespace.remove(ROOT_INO, b"late", False)
+    refused(errno.ENOENT, meta.content.commit_content, late.ino, orphan)
+    assert meta.content.blob_info(orphan.blob_id) is None and meta.recency.usage().used == 0
 
     # Kernel-written blobs: pending until their sums are taken.
     g = mkfile(meta, b"g")
     pending = new_blob(meta, g.ino, 2 * BLOCK, pending=True)
-    meta.commit_content(g.ino, pending)
-    assert meta.pending() == [(pending.blob_id, g.ino)]
-    assert meta.blob_info(pending.blob_id).pending
-    settled = meta.record_sums(pending.blob_id, array("Q", [7, 8]))
+    meta.content.commit_content(g.ino, pending)
+    assert meta.content.pending() == [(pending.blob_id, g.ino)]
+    assert meta.content.blob_info(pending.blob_id).pending
+    settled = meta.content.record_sums(pending.blob_id, array("Q", [7, 8]))
     assert settled is not None and not settled.pending and list(settled.sums) == [7, 8]
-    assert meta.pending() == [] and meta.blob_info(pending.blob_id) == settled
-    assert meta.record_sums(first.blob_id, array("Q")) is None  # replaced long ago
-    assert meta.usage().used == 2 * BLOCK
+    assert meta.content.pending() == [] and meta.content.blob_info(pending.blob_id) == settled
+    assert meta.content.record_sums(first.blob_id, array("Q")) is None  # replaced long ago
+    assert meta.recency.usage().used == 2 * BLOCK
 
 
 # -- attributes and xattrs ------------------------------------------------------------------
@@ -694,64 +710,65 @@ def test_content_blobs_and_usage(meta: MetaStore) -> None:
 def test_set_attrs(meta: MetaStore) -> None:
     f = mkfile(meta, b"f")
     d = mkdir(meta, b"d")
-    changed = meta.set_attrs(f.ino, mode=0o4750, uid=7, gid=8, atime_ns=111, mtime_ns=222)
+    changed = meta.namespace.set_attrs(f.ino, mode=0o4750, uid=7, gid=8, atime_ns=111, mtime_ns=222)
     assert changed.mode == stat.S_IFREG | 0o4750 and (changed.uid, changed.gid) == (7, 8)
     assert (changed.atime_ns, changed.mtime_ns) == (111, 222) and changed.ctime_ns >= f.ctime_ns
-    assert meta.get(f.ino) == changed
-    assert meta.set_attrs(d.ino, mode=0o700).mode == stat.S_IFDIR | 0o700
+    assert meta.namespace.get(f.ino) == changed
+    assert meta.namespace.set_attrs(d.ino, mode=0o700).mode == stat.S_IFDIR | 0o700
 
-    cleared = meta.set_attrs(f.ino, clear_mode=stat.S_ISUID | stat.S_ISGID)
+    cleared = meta.namespace.set_attrs(f.ino, clear_mode=stat.S_ISUID | stat.S_ISGID)
     assert cleared.mode == stat.S_IFREG | 0o750
-    assert meta.set_attrs(f.ino, clear_mode=stat.S_ISUID) == cleared  # nothing to clear
-    refused(errno.ENOENT, meta.set_attrs, 999_999, mode=0o600)
+    assert meta.namespace.set_attrs(f.ino, clear_mode=stat.S_ISUID) == cleared  # nothing to clear
+    refused(errno.ENOENT, meta.namespace.set_attrs, 999_999, mode=0o600)
 
     # An atime set by hand moves the file in the recency index.
     g = mkfile(meta, b"g")
-    assert [inode.ino for _, inode in meta.least_recent(2)] == [f.ino, g.ino]
-    meta.set_attrs(f.ino, atime_ns=time.time_ns() + 10**12)
-    assert [inode.ino for _, inode in meta.least_recent(2)] == [g.ino, f.ino]
+    assert [inode.ino for _, inode in meta.recency.least_recent(2)] == [f.ino, g.ino]
+    meta.namespace.set_attrs(f.ino, atime_ns=time.time_ns() + 10**12)
+    assert [inode.ino for _, inode in meta.recency.least_recent(2)] == [g.ino, f.ino]
 
 
 def test_xattrs_and_pins(meta: MetaStore) -> None:
     f = mkfile(meta, b"f")
     d = mkdir(meta, b"d")
-    assert meta.listxattr(f.ino) == []
-    refused(errno.ENODATA, meta.getxattr, f.ino, b"user.missing")
-    refused(errno.ENODATA, meta.removexattr, f.ino, b"user.missing")
+    assert meta.namespace.listxattr(f.ino) == []
+    refused(errno.ENODATA, meta.namespace.getxattr, f.ino, b"user.missing")
+    refused(errno.ENODATA, meta.namespace.removexattr, f.ino, b"user.missing")
 
-    meta.setxattr(f.ino, b"user.b", b"2")
-    meta.setxattr(f.ino, b"user.a", b"1")
-    meta.setxattr(f.ino, b"user.empty", b"")
-    meta.setxattr(f.ino, b"user.a", b"one")  # replaced
-    assert meta.getxattr(f.ino, b"user.a") == b"one"
-    assert meta.getxattr(f.ino, b"user.empty") == b""
-    assert meta.listxattr(f.ino) == [b"user.a", b"user.b", b"user.empty"]
-    meta.removexattr(f.ino, b"user.b")
-    assert meta.listxattr(f.ino) == [b"user.a", b"user.empty"]
-    refused(errno.ENODATA, meta.getxattr, f.ino, b"user.b")
+    meta.namespace.setxattr(f.ino, b"user.b", b"2")
+    meta.namespace.setxattr(f.ino, b"user.a", b"1")
+    meta.namespace.setxattr(f.ino, b"user.empty", b"")
+    meta.namespace.setxattr(f.ino, b"user.a", b"one")  # replaced
+    assert meta.namespace.getxattr(f.ino, b"user.a") == b"one"
+    assert meta.namespace.getxattr(f.ino, b"user.empty") == b""
+    assert meta.namespace.listxattr(f.ino) == [b"user.a", b"user.b", b"user.empty"]
+    meta.namespace.removexattr(f.ino, b"user.b")
+    assert meta.namespace.listxattr(f.ino) == [b"user.a", b"user.empty"]
+    refused(errno.ENODATA, meta.namespace.getxattr, f.ino, b"user.b")
 
-    meta.setxattr(d.ino, b"user.big", b"v" * XATTR_VALUE_MAX)
-    assert meta.getxattr(d.ino, b"user.big") == b"v" * XATTR_VALUE_MAX
-    refused(errno.E2BIG, meta.setxattr, d.ino, b"user.bigger", b"v" * (XATTR_VALUE_MAX + 1))
-    refused(errno.ERANGE, meta.setxattr, d.ino, b"", b"v")
-    refused(errno.ERANGE, meta.setxattr, d.ino, b"u" * (NAME_MAX + 1), b"v")
-    for call in (meta.listxattr, lambda ino: meta.getxattr(ino, b"user.a"),
-                 lambda ino: meta.setxattr(ino, b"user.a", b"x"),
-                 lambda ino: meta.removexattr(ino, b"user.a")):
+    meta.namespace.setxattr(d.ino, b"user.big", b"v" * XATTR_VALUE_MAX)
+    assert meta.namespace.getxattr(d.ino, b"user.big") == b"v" * XATTR_VALUE_MAX
+    refused(errno.E2BIG, meta.namespace.setxattr, d.ino, b"user.bigger",
+            b"v" * (XATTR_VALUE_MAX + 1))
+    refused(errno.ERANGE, meta.namespace.setxattr, d.ino, b"", b"v")
+    refused(errno.ERANGE, meta.namespace.setxattr, d.ino, b"u" * (NAME_MAX + 1), b"v")
+    for call in (meta.namespace.listxattr, lambda ino: meta.namespace.getxattr(ino, b"user.a"),
+                 lambda ino: meta.namespace.setxattr(ino, b"user.a", b"x"),
+                 lambda ino: meta.namespace.removexattr(ino, b"user.a")):
         refused(errno.ENOENT, call, 999_999)
 
-    assert meta.pinned() == set()
-    meta.setxattr(f.ino, PIN_XATTR, b"1")
-    meta.setxattr(d.ino, PIN_XATTR, b"1")
-    assert meta.pinned() == {f.ino, d.ino}
-    meta.removexattr(d.ino, PIN_XATTR)
-    assert meta.pinned() == {f.ino}
+    assert meta.recency.pinned() == set()
+    meta.namespace.setxattr(f.ino, PIN_XATTR, b"1")
+    meta.namespace.setxattr(d.ino, PIN_XATTR, b"1")
+    assert meta.recency.pinned() == {f.ino, d.ino}
+    meta.namespace.removexattr(d.ino, PIN_XATTR)
+    assert meta.recency.pinned() == {f.ino}
 
-    meta.remove(ROOT_INO, b"f", False)  # its xattrs and its pin go with it
-    assert meta.pinned() == set()
-    refused(errno.ENOENT, meta.listxattr, f.ino)
+    meta.namespace.remove(ROOT_INO, b"f", False)  # its xattrs and its pin go with it
+    assert meta.recency.pinned() == set()
+    refused(errno.ENOENT, meta.namespace.listxattr, f.ino)
     again = mkfile(meta, b"f")
-    assert meta.listxattr(again.ino) == []
+    assert meta.namespace.listxattr(again.ino) == []
 
 
 # -- recency, eviction, doomed blobs --------------------------------------------------------
@@ -760,66 +777,67 @@ def test_xattrs_and_pins(meta: MetaStore) -> None:
 def test_recency_touch_and_least_recent(meta: MetaStore) -> None:
     a, b, c = mkfile(meta, b"a"), mkfile(meta, b"b"), mkfile(meta, b"c")
     mkdir(meta, b"dir")  # directories are never in the index
-    assert [inode.ino for _, inode in meta.least_recent(10)] == [a.ino, b.ino, c.ino]
+    assert [inode.ino for _, inode in meta.recency.least_recent(10)] == [a.ino, b.ino, c.ino]
 
     base = time.time_ns() + 10**12
-    meta.record_uses({a.ino: base + 3, b.ino: base + 1, c.ino: base + 2, 999_999: base})
-    found = meta.least_recent(10)
+    meta.recency.record_uses({a.ino: base + 3, b.ino: base + 1, c.ino: base + 2, 999_999: base})
+    found = meta.recency.least_recent(10)
     assert [inode.ino for _, inode in found] == [b.ino, c.ino, a.ino]
     assert [inode.atime_ns for _, inode in found] == [base + 1, base + 2, base + 3]
 
-    meta.record_uses({a.ino: base})  # an older use changes nothing
-    assert meta.get(a.ino).atime_ns == base + 3
-    first = meta.least_recent(2)
+    meta.recency.record_uses({a.ino: base})  # an older use changes nothing
+    assert meta.namespace.get(a.ino).atime_ns == base + 3
+    first = meta.recency.least_recent(2)
     assert [inode.ino for _, inode in first] == [b.ino, c.ino]
-    assert [inode.ino for _, inode in meta.least_recent(2, after=first[-1][0])] == [a.ino]
-    assert meta.least_recent(2, after=found[-1][0]) == []
+    assert [inode.ino for _, inode in meta.recency.least_recent(2, after=first[-1][0])] == [a.ino]
+    assert meta.recency.least_recent(2, after=found[-1][0]) == []
 
-    meta.commit_content(a.ino, new_blob(meta, a.ino, 100))  # a write is a use, now
-    assert [inode.ino for _, inode in meta.least_recent(10)] == [a.ino, b.ino, c.ino]
-    meta.remove(ROOT_INO, b"b", False)
-    assert [inode.ino for _, inode in meta.least_recent(10)] == [a.ino, c.ino]
+    meta.content.commit_content(a.ino, new_blob(meta, a.ino, 100))  # a write is a use, now
+    assert [inode.ino for _, inode in meta.recency.least_recent(10)] == [a.ino, b.ino, c.ino]
+    meta.namespace.remove(ROOT_INO, b"b", False)
+    assert [inode.ino for _, inode in meta.recency.least_recent(10)] == [a.ino, c.ino]
     late = mkfile(meta, b"late")
-    assert [inode.ino for _, inode in meta.least_recent(10)] == [a.ino, late.ino, c.ino]
+    assert [inode.ino for _, inode in meta.recency.least_recent(10)] == [a.ino, late.ino, c.ino]
 
 
 def test_drop_files_holds_and_doomed_blobs(meta: MetaStore) -> None:
     d, e = mkdir(meta, b"d"), mkdir(meta, b"e")
     x, y, z = mkfile(meta, b"x", d.ino), mkfile(meta, MODEL_NAME, d.ino), mkfile(meta, b"z")
-    meta.link(x.ino, e.ino, b"x2")
+    meta.namespace.link(x.ino, e.ino, b"x2")
     x_blob, y_blob = new_blob(meta, x.ino, 8192), new_blob(meta, y.ino, 100)
-    meta.commit_content(x.ino, x_blob)
-    meta.commit_content(y.ino, y_blob)
+    meta.content.commit_content(x.ino, x_blob)
+    meta.content.commit_content(y.ino, y_blob)
     session = session_id(meta)
-    meta.hold(y_blob.blob_id, session)
-    assert meta.holders(y_blob.blob_id) == [session]
+    meta.pool.hold(y_blob.blob_id, session)
+    assert meta.pool.holders(y_blob.blob_id) == [session]
 
-    dropped = meta.drop_files([x.ino, y.ino, z.ino, 999_999, x.ino], spare_held=True)
+    dropped = meta.content.drop_files([x.ino, y.ino, z.ino, 999_999, x.ino], spare_held=True)
     assert [removed.inode.ino for removed in dropped] == [x.ino, z.ino]  # y is held open
     assert all(removed.gone for removed in dropped)
     assert sorted(dropped[0].names) == sorted([(d.ino, b"x"), (e.ino, b"x2")])
     assert dropped[1].names == [(ROOT_INO, b"z")]
     assert names_in(meta, d.ino) == [MODEL_NAME] and names_in(meta, e.ino) == []
     for ino in (x.ino, z.ino):
-        refused(errno.ENOENT, meta.get, ino)
-    assert meta.usage().files == 1 and meta.usage().used == y_blob.allocated
+        refused(errno.ENOENT, meta.namespace.get, ino)
+    assert meta.recency.usage().files == 1 and meta.recency.usage().used == y_blob.allocated
 
-    meta.release(y_blob.blob_id, session)
-    assert meta.holders(y_blob.blob_id) == []
-    meta.hold(y_blob.blob_id, session)  # without spare_held, held files go too
-    (removed,) = meta.drop_files([y.ino])
+    meta.pool.release(y_blob.blob_id, session)
+    assert meta.pool.holders(y_blob.blob_id) == []
+    meta.pool.hold(y_blob.blob_id, session)  # without spare_held, held files go too
+    (removed,) = meta.content.drop_files([y.ino])
     assert removed.inode.ino == y.ino and removed.gone and removed.names == [(d.ino, MODEL_NAME)]
-    assert meta.usage().files == 0 and meta.usage().used == 0 and meta.models() == {}
-    assert meta.drop_files([y.ino]) == []
+    usage = meta.recency.usage()
+    assert usage.files == 0 and usage.used == 0 and meta.recency.models() == {}
+    assert meta.content.drop_files([y.ino]) == []
 
-    doomed = meta.doomed()
+    doomed = meta.content.doomed()
     assert sorted(doomed) == sorted([x_blob.blob_id, y_blob.blob_id])
-    meta.reaped(doomed[:1])
-    assert meta.doomed() == doomed[1:]
-    meta.reaped([])
-    meta.reaped(doomed)
-    assert meta.doomed() == []
-    meta.release(y_blob.blob_id, session)
+    meta.content.reaped(doomed[:1])
+    assert meta.content.doomed() == doomed[1:]
+    meta.content.reaped([])
+    meta.content.reaped(doomed)
+    assert meta.content.doomed() == []
+    meta.pool.release(y_blob.blob_id, session)
 
 
 def test_holds_recorded_by_commits_and_opens_read_in_the_same_change(meta: MetaStore
@@ -830,21 +848,22 @@ def test_holds_recorded_by_commits_and_opens_read_in_the_same_change(meta: MetaS
     f, g = mkfile(meta, b"f"), mkfile(meta, b"g")
     session = session_id(meta)
     f_blob, g_blob = new_blob(meta, f.ino, 100), new_blob(meta, g.ino, 200)
-    committed, _ = meta.commit_content(f.ino, f_blob, session)
-    meta.commit_content(g.ino, g_blob)
-    assert meta.holders(f_blob.blob_id) == [session] and meta.holders(g_blob.blob_id) == []
+    committed, _ = meta.content.commit_content(f.ino, f_blob, session)
+    meta.content.commit_content(g.ino, g_blob)
+    assert meta.pool.holders(f_blob.blob_id) == [session]
+    assert meta.pool.holders(g_blob.blob_id) == []
 
-    inode, blob = meta.content_held(g.ino, session)
-    assert (inode, blob) == meta.content(g.ino) and blob is not None
-    assert blob.blob_id == g_blob.blob_id and meta.holders(g_blob.blob_id) == [session]
-    meta.release_many([f_blob.blob_id, g_blob.blob_id], session)
-    assert meta.holders(f_blob.blob_id) == meta.holders(g_blob.blob_id) == []
+    inode, blob = meta.content.get_held(g.ino, session)
+    assert (inode, blob) == meta.content.get(g.ino) and blob is not None
+    assert blob.blob_id == g_blob.blob_id and meta.pool.holders(g_blob.blob_id) == [session]
+    meta.pool.release_many([f_blob.blob_id, g_blob.blob_id], session)
+    assert meta.pool.holders(f_blob.blob_id) == meta.pool.holders(g_blob.blob_id) == []
 
-    meta.remove(ROOT_INO, b"g", is_dir=False)
-    refused(errno.ENOENT, meta.content_held, g.ino, session)
-    assert meta.holders(g_blob.blob_id) == []
+    meta.namespace.remove(ROOT_INO, b"g", is_dir=False)
+    refused(errno.ENOENT, meta.content.get_held, g.ino, session)
+    assert meta.pool.holders(g_blob.blob_id) == []
     empty = mkfile(meta, b"empty")
-    assert meta.content_held(empty.ino, session) == (meta.get(empty.ino), None)
+    assert meta.content.get_held(empty.ino, session) == (meta.namespace.get(empty.ino), None)
     assert committed.blob == f_blob.blob_id
 
 
@@ -853,18 +872,19 @@ def test_reopen_keeps_everything(backend: Backend) -> None:
     d = mkdir(meta, b"d")
     f = mkfile(meta, MODEL_NAME, d.ino)
     blob = new_blob(meta, f.ino, 5 * BLOCK)
-    meta.commit_content(f.ino, blob)
-    meta.setxattr(f.ino, PIN_XATTR, b"1")
-    meta.link(f.ino, ROOT_INO, b"alias")
-    inodes, usage = sorted(meta.inodes(), key=lambda i: i.ino), meta.usage()
+    meta.content.commit_content(f.ino, blob)
+    meta.namespace.setxattr(f.ino, PIN_XATTR, b"1")
+    meta.namespace.link(f.ino, ROOT_INO, b"alias")
+    inodes, usage = sorted(meta.namespace.inodes(), key=lambda i: i.ino), meta.recency.usage()
     backend.close(meta)
 
     meta = backend.open()  # the format is found, not made again
-    assert sorted(meta.inodes(), key=lambda i: i.ino) == inodes and meta.usage() == usage
-    assert meta.content(f.ino)[1] == blob and meta.pinned() == {f.ino}
-    assert meta.lookup(ROOT_INO, b"alias").ino == f.ino
+    assert sorted(meta.namespace.inodes(), key=lambda i: i.ino) == inodes
+    assert meta.recency.usage() == usage
+    assert meta.content.get(f.ino)[1] == blob and meta.recency.pinned() == {f.ino}
+    assert meta.namespace.lookup(ROOT_INO, b"alias").ino == f.ino
     assert mkfile(meta, b"new").ino > max(i.ino for i in inodes)  # ids never come back
-    assert min(meta.allocate_blob_ids(1)) > blob.blob_id
+    assert min(meta.content.allocate_blob_ids(1)) > blob.blob_id
 
 
 def test_a_kvfs_3_store_gets_entry_types_at_open(backend: Backend) -> None:
@@ -873,7 +893,7 @@ def test_a_kvfs_3_store_gets_entry_types_at_open(backend: Backend) -> None:
     meta = backend.open()
     d = mkdir(meta, b"d")
     mkfile(meta, b"f", d.ino)
-    meta.make(d.ino, b"s", stat.S_IFLNK | 0o777, UID, GID, target=b"f")
+    meta.namespace.make(d.ino, b"s", stat.S_IFLNK | 0o777, UID, GID, target=b"f")
     made = listing(meta, d.ino)
 
     def as_kvfs_3(txn: Txn) -> None:
@@ -888,7 +908,8 @@ def test_a_kvfs_3_store_gets_entry_types_at_open(backend: Backend) -> None:
     meta = backend.open()
     assert listing(meta, d.ino) == made
     assert [(name, file_type) for name, _, file_type, _ in
-            meta.readdir_types_page(d.ino, 0, 10)] == [(b"f", stat.S_IFREG), (b"s", stat.S_IFLNK)]
+            meta.namespace.readdir_types_page(d.ino, 0, 10)] == [(b"f", stat.S_IFREG),
+                                                                 (b"s", stat.S_IFLNK)]
 
 
 def test_a_kvfs_4_store_keeps_only_hard_links_in_links(backend: Backend) -> None:
@@ -898,7 +919,7 @@ def test_a_kvfs_4_store_keeps_only_hard_links_in_links(backend: Backend) -> None
     d = mkdir(meta, b"d")
     single = mkfile(meta, b"single", d.ino)
     linked = mkfile(meta, b"linked", d.ino)
-    meta.link(linked.ino, ROOT_INO, b"other")
+    meta.namespace.link(linked.ino, ROOT_INO, b"other")
     kept = link_records(meta)
     assert kept == {(linked.ino, d.ino, b"linked"), (linked.ino, ROOT_INO, b"other")}
 
@@ -912,10 +933,12 @@ def test_a_kvfs_4_store_keeps_only_hard_links_in_links(backend: Backend) -> None
 
     meta = backend.open()
     assert link_records(meta) == kept
-    assert meta.names(single.ino) == [(d.ino, b"single")]
-    assert sorted(meta.names(linked.ino)) == sorted([(d.ino, b"linked"), (ROOT_INO, b"other")])
-    meta.rename(d.ino, b"single", ROOT_INO, b"single", 0)
-    assert meta.names(single.ino) == [(ROOT_INO, b"single")] and link_records(meta) == kept
+    assert meta.namespace.names(single.ino) == [(d.ino, b"single")]
+    assert sorted(meta.namespace.names(linked.ino)) == sorted([(d.ino, b"linked"),
+                                                               (ROOT_INO, b"other")])
+    meta.namespace.rename(d.ino, b"single", ROOT_INO, b"single", 0)
+    assert meta.namespace.names(single.ino) == [(ROOT_INO, b"single")]
+    assert link_records(meta) == kept
 
 
 # -- concurrency ----------------------------------------------------------------------------
@@ -932,12 +955,12 @@ def change_concurrently(stores: list[MetaStore], parent: int, threads: int, file
 
     def work(meta: MetaStore, worker: str) -> None:
         try:
-            mine = [meta.make(parent, f"m@1@0@{worker}-{i}@bf16.data".encode(), FILE, UID,
+            mine = [meta.namespace.make(parent, f"m@1@0@{worker}-{i}@bf16.data".encode(), FILE, UID,
                               GID).ino for i in range(files)]
             for i in range(0, 2 * churn, 2):
-                meta.rename(parent, f"m@1@0@{worker}-{i}@bf16.data".encode(), parent,
+                meta.namespace.rename(parent, f"m@1@0@{worker}-{i}@bf16.data".encode(), parent,
                             f"renamed-{worker}-{i}".encode(), RENAME_NOREPLACE)
-                meta.remove(parent, f"m@1@0@{worker}-{i + 1}@bf16.data".encode(), False)
+                meta.namespace.remove(parent, f"m@1@0@{worker}-{i + 1}@bf16.data".encode(), False)
             with lock:
                 made.extend(mine)
         except BaseException as error:  # reported by the test's thread
@@ -962,9 +985,9 @@ def check_concurrent_outcome(meta: MetaStore, parent: int, made: list[int], work
     assert {ino for _, ino, _ in entries} <= set(made)
     renamed = sum(name.startswith(b"renamed-") for name, _, _ in entries)
     assert renamed == workers * churn
-    assert meta.usage().files == kept
-    assert meta.models() == {"m": {"files": kept - renamed, "bytes": 0}}
-    assert meta.get(parent).nlink == 2
+    assert meta.recency.usage().files == kept
+    assert meta.recency.models() == {"m": {"files": kept - renamed, "bytes": 0}}
+    assert meta.namespace.get(parent).nlink == 2
 
 
 def test_concurrent_namespace_changes_on_one_host(meta: MetaStore) -> None:
@@ -980,31 +1003,33 @@ def test_two_hosts_see_each_others_changes(pool: tuple[MetaStore, MetaStore]) ->
     one, two = pool
     d = mkdir(one, b"d")
     f = mkfile(one, b"f", d.ino)
-    assert two.lookup(ROOT_INO, b"d") == one.get(d.ino) and two.lookup(d.ino, b"f") == f
+    assert two.namespace.lookup(ROOT_INO, b"d") == one.namespace.get(d.ino)
+    assert two.namespace.lookup(d.ino, b"f") == f
     assert [name for name, _, _ in listing(two, d.ino)] == [b"f"]
 
-    moved, _ = two.rename(d.ino, b"f", ROOT_INO, b"g", 0)
-    assert one.lookup(d.ino, b"f") is None and one.lookup(ROOT_INO, b"g") == moved
+    moved, _ = two.namespace.rename(d.ino, b"f", ROOT_INO, b"g", 0)
+    assert one.namespace.lookup(d.ino, b"f") is None
+    assert one.namespace.lookup(ROOT_INO, b"g") == moved
     blob = new_blob(two, f.ino, 3 * BLOCK)
-    two.commit_content(f.ino, blob)
-    assert one.content(f.ino) == two.content(f.ino) and one.content(f.ino)[1] == blob
-    one.setxattr(f.ino, b"user.k", b"v")
-    assert two.getxattr(f.ino, b"user.k") == b"v"
+    two.content.commit_content(f.ino, blob)
+    assert one.content.get(f.ino) == two.content.get(f.ino) and one.content.get(f.ino)[1] == blob
+    one.namespace.setxattr(f.ino, b"user.k", b"v")
+    assert two.namespace.getxattr(f.ino, b"user.k") == b"v"
 
     refused(errno.EEXIST, mkfile, two, b"g")  # made by the other host
     other = mkfile(two, b"h")
     assert other.ino not in (d.ino, f.ino)  # each host's id stock is its own
-    assert one.usage() == two.usage() and one.usage().files == 2
+    assert one.recency.usage() == two.recency.usage() and one.recency.usage().files == 2
 
-    assert one.remove(ROOT_INO, b"g", False).gone
-    assert two.lookup(ROOT_INO, b"g") is None
-    refused(errno.ENOENT, two.get, f.ino)
-    assert blob.blob_id in two.doomed()
+    assert one.namespace.remove(ROOT_INO, b"g", False).gone
+    assert two.namespace.lookup(ROOT_INO, b"g") is None
+    refused(errno.ENOENT, two.namespace.get, f.ino)
+    assert blob.blob_id in two.content.doomed()
     mkfile(one, b"inner", d.ino)
-    refused(errno.ENOTEMPTY, two.remove, ROOT_INO, b"d", True)
-    two.remove(d.ino, b"inner", False)
-    assert two.remove(ROOT_INO, b"d", True).gone
-    assert one.lookup(ROOT_INO, b"d") is None and one.get(ROOT_INO).nlink == 2
+    refused(errno.ENOTEMPTY, two.namespace.remove, ROOT_INO, b"d", True)
+    two.namespace.remove(d.ino, b"inner", False)
+    assert two.namespace.remove(ROOT_INO, b"d", True).gone
+    assert one.namespace.lookup(ROOT_INO, b"d") is None and one.namespace.get(ROOT_INO).nlink == 2
 
 
 def test_concurrent_creates_from_two_hosts(pool: tuple[MetaStore, MetaStore]) -> None:
@@ -1012,7 +1037,7 @@ def test_concurrent_creates_from_two_hosts(pool: tuple[MetaStore, MetaStore]) ->
     d = mkdir(one, b"busy")
     made = change_concurrently([one, two], d.ino, threads=4, files=100, churn=5)
     check_concurrent_outcome(two, d.ino, made, workers=8, files=100, churn=5)
-    assert one.usage() == two.usage()
+    assert one.recency.usage() == two.recency.usage()
 
 
 def test_changes_that_read_a_record_another_host_changed_run_again(
@@ -1049,18 +1074,18 @@ def test_a_change_made_from_a_stale_cache_runs_again(pool: tuple[MetaStore, Meta
         pytest.skip("needs a host that is not told of the other's changes")
     one.engine.cache.enable(True)  # caching, and deaf to the other host
     file = mkfile(one, b"f")
-    assert one.lookup(ROOT_INO, b"x") is None  # (kept in the cache)
+    assert one.namespace.lookup(ROOT_INO, b"x") is None  # (kept in the cache)
     made = mkfile(two, b"x")
     conflicts = one.engine.conflicts
     refused(errno.EEXIST, mkfile, one, b"x")
     assert one.engine.conflicts == conflicts + 1, "it read the stale entry and root first"
-    assert one.lookup(ROOT_INO, b"x") == made
+    assert one.namespace.lookup(ROOT_INO, b"x") == made
 
-    assert one.get(file.ino).mode & 0o777 == 0o644
-    two.set_attrs(file.ino, mode=0o600)
-    changed = one.set_attrs(file.ino, uid=7)
+    assert one.namespace.get(file.ino).mode & 0o777 == 0o644
+    two.namespace.set_attrs(file.ino, mode=0o600)
+    changed = one.namespace.set_attrs(file.ino, uid=7)
     assert changed.mode & 0o777 == 0o600 and changed.uid == 7
-    assert two.get(file.ino) == changed
+    assert two.namespace.get(file.ino) == changed
 
 
 def test_cached_reads_come_from_memory_pushed_by_the_host_that_changed_them(
@@ -1073,23 +1098,26 @@ def test_cached_reads_come_from_memory_pushed_by_the_host_that_changed_them(
         pytest.skip("only an engine told of other hosts' changes caches")
 
     made = mkfile(one, b"x")
-    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"x", True)) == made)
-    assert from_memory(two, lambda: two.get(made.ino, True)) == made
-    assert from_memory(two, lambda: two.get(made.ino)) is RoundTripNeeded  # not cached: Redis
-    changed = one.set_attrs(made.ino, mode=0o600)
-    assert wait_for(lambda: from_memory(two, lambda: two.get(made.ino, True)) == changed)
-    one.remove(ROOT_INO, b"x", False)
-    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"x", True)) is None)
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.lookup(ROOT_INO, b"x", True))
+                    == made)
+    assert from_memory(two, lambda: two.namespace.get(made.ino, True)) == made
+    uncached = from_memory(two, lambda: two.namespace.get(made.ino))
+    assert uncached is RoundTripNeeded  # not cached: Redis
+    changed = one.namespace.set_attrs(made.ino, mode=0o600)
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.get(made.ino, True)) == changed)
+    one.namespace.remove(ROOT_INO, b"x", False)
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.lookup(ROOT_INO, b"x", True))
+                    is None)
 
     def read_and_kept() -> bool:  # (a read that raced any change of its bucket is not kept)
-        assert two.lookup(ROOT_INO, b"y", True) is None
-        return from_memory(two, lambda: two.lookup(ROOT_INO, b"y", True)) is None
+        assert two.namespace.lookup(ROOT_INO, b"y", True) is None
+        return from_memory(two, lambda: two.namespace.lookup(ROOT_INO, b"y", True)) is None
     assert wait_for(read_and_kept)
     other = mkfile(one, b"y")
     # (what this host read itself cannot be ordered against an announcement: dropped)
-    assert wait_for(lambda: from_memory(two, lambda: two.lookup(ROOT_INO, b"y", True))
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.lookup(ROOT_INO, b"y", True))
                     in (RoundTripNeeded, other))
-    assert two.lookup(ROOT_INO, b"y", True) == other
+    assert two.namespace.lookup(ROOT_INO, b"y", True) == other
 
 
 def test_a_directory_this_host_made_answers_its_missing_names_from_memory(
@@ -1102,17 +1130,20 @@ def test_a_directory_this_host_made_answers_its_missing_names_from_memory(
         pytest.skip("only an engine told of other hosts' changes caches")
 
     mine, theirs = mkdir(two, b"mine"), mkdir(one, b"theirs")
-    assert from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) is None
-    assert from_memory(two, lambda: two.lookup(theirs.ino, b"new", True)) is RoundTripNeeded
+    assert from_memory(two, lambda: two.namespace.lookup(mine.ino, b"new", True)) is None
+    assert from_memory(two, lambda: two.namespace.lookup(theirs.ino, b"new", True)) \
+        is RoundTripNeeded
     made = mkfile(one, b"new", mine.ino)  # another host's, announced
-    assert wait_for(lambda: from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) == made)
-    assert from_memory(two, lambda: two.lookup(mine.ino, b"other", True)) is None
-    refused(errno.EEXIST, two.make, mine.ino, b"new", FILE, UID, GID)  # (no stale miss)
-    one.remove(mine.ino, b"new", False)
-    assert wait_for(lambda: from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) is None)
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.lookup(mine.ino, b"new", True))
+                    == made)
+    assert from_memory(two, lambda: two.namespace.lookup(mine.ino, b"other", True)) is None
+    refused(errno.EEXIST, two.namespace.make, mine.ino, b"new", FILE, UID, GID)  # (no stale miss)
+    one.namespace.remove(mine.ino, b"new", False)
+    assert wait_for(lambda: from_memory(two, lambda: two.namespace.lookup(mine.ino, b"new", True))
+                    is None)
     again = mkfile(two, b"new", mine.ino)
-    assert from_memory(two, lambda: two.lookup(mine.ino, b"new", True)) == again
-    assert one.lookup(mine.ino, b"new") == again
+    assert from_memory(two, lambda: two.namespace.lookup(mine.ino, b"new", True)) == again
+    assert one.namespace.lookup(mine.ino, b"new") == again
 
 
 def on_loop(meta: MetaStore, change: Callable[[], object],
@@ -1143,28 +1174,32 @@ def test_a_change_whose_reads_the_cache_holds_commits_from_the_loop(
     assert isinstance(engine, RedisEngine)
     mine, theirs = mkdir(two, b"mine"), mkdir(one, b"theirs")
     committed = engine.loop_commits
-    made = on_loop(two, lambda: two.make(mine.ino, b"a", FILE, UID, GID))
-    assert isinstance(made, Inode) and one.lookup(mine.ino, b"a") == made
-    on_loop(two, lambda: two.rename(mine.ino, b"a", mine.ino, b"b", 0))
-    assert one.lookup(mine.ino, b"a") is None and one.lookup(mine.ino, b"b") == made._replace(
-        name=b"b", ctime_ns=one.get(made.ino).ctime_ns)
+    made = on_loop(two, lambda: two.namespace.make(mine.ino, b"a", FILE, UID, GID))
+    assert isinstance(made, Inode) and one.namespace.lookup(mine.ino, b"a") == made
+    on_loop(two, lambda: two.namespace.rename(mine.ino, b"a", mine.ino, b"b", 0))
+    assert one.namespace.lookup(mine.ino, b"a") is None
+    assert one.namespace.lookup(mine.ino, b"b") == made._replace(
+        name=b"b", ctime_ns=one.namespace.get(made.ino).ctime_ns)
     assert engine.loop_commits == committed + 2
     # A directory another host made: its names are not all in this host's cache.
-    assert on_loop(two, lambda: two.make(theirs.ino, b"x", FILE, UID, GID)) is RoundTripNeeded
-    assert one.lookup(theirs.ino, b"x") is None  # (nothing was committed)
+    assert on_loop(two, lambda: two.namespace.make(theirs.ino, b"x", FILE, UID, GID)) \
+        is RoundTripNeeded
+    assert one.namespace.lookup(theirs.ino, b"x") is None  # (nothing was committed)
     # An error is the answer only once a worker has checked the view it came from.
-    assert on_loop(two, lambda: two.make(mine.ino, b"b", FILE, UID, GID)) is RoundTripNeeded
+    assert on_loop(two, lambda: two.namespace.make(mine.ino, b"b", FILE, UID, GID)) \
+        is RoundTripNeeded
     # Another host makes the name just before: the loop's change either sees it (EEXIST)
     # or commits against a stale miss and is refused (a conflict); a worker then answers.
     for n in range(20):
         name = b"race-%d" % n
-        outcome = on_loop(two, functools.partial(two.make, mine.ino, name, FILE, UID, GID),
+        outcome = on_loop(two, functools.partial(two.namespace.make, mine.ino, name, FILE, UID,
+                                                 GID),
                           before=functools.partial(mkfile, one, name, mine.ino))
         assert outcome is RoundTripNeeded
-        refused(errno.EEXIST, two.make, mine.ino, name, FILE, UID, GID)
-        theirs_made = one.lookup(mine.ino, name)
-        assert theirs_made is not None and two.lookup(mine.ino, name) == theirs_made
-        assert theirs_made.uid == UID and one.get(theirs_made.ino).nlink == 1
+        refused(errno.EEXIST, two.namespace.make, mine.ino, name, FILE, UID, GID)
+        theirs_made = one.namespace.lookup(mine.ino, name)
+        assert theirs_made is not None and two.namespace.lookup(mine.ino, name) == theirs_made
+        assert theirs_made.uid == UID and one.namespace.get(theirs_made.ino).nlink == 1
     assert sorted(name for name, _, _ in listing(one, mine.ino)) == sorted(
         [b"b", *(b"race-%d" % n for n in range(20))])
     assert engine.loop_commits == committed + 2  # (here 5–10 of the 20 met a conflict)
@@ -1183,7 +1218,7 @@ def test_each_host_is_told_of_the_names_and_inodes_others_change(
     assert wait_for(lambda: ("dentry", u64(ROOT_INO) + b"told") in told["two"])
     assert ("inode", u64(made.ino)) in told["two"]
     assert told["one"] == []  # its own kernel saw it
-    two.rename(ROOT_INO, b"told", ROOT_INO, b"renamed", 0)
+    two.namespace.rename(ROOT_INO, b"told", ROOT_INO, b"renamed", 0)
     assert wait_for(lambda: ("dentry", u64(ROOT_INO) + b"renamed") in told["one"])
     assert ("dentry", u64(ROOT_INO) + b"told") in told["one"]
 
@@ -1192,35 +1227,36 @@ def test_holds_and_sessions_across_hosts(pool: tuple[MetaStore, MetaStore]) -> N
     one, two = pool
     first, second = session_id(one), session_id(two)
     assert first != second
-    one.register_session(first, b'{"host": "one"}')
-    two.register_session(second, b'{"host": "two"}')
-    assert one.sessions() == two.sessions() == {first: b'{"host": "one"}',
+    one.pool.register_session(first, b'{"host": "one"}')
+    two.pool.register_session(second, b'{"host": "two"}')
+    assert one.pool.sessions() == two.pool.sessions() == {first: b'{"host": "one"}',
                                                 second: b'{"host": "two"}'}
 
     f = mkfile(one, b"f")
     blob = new_blob(one, f.ino, BLOCK)
-    one.commit_content(f.ino, blob)
-    one.hold(blob.blob_id, first)
-    two.hold(blob.blob_id, second)
-    assert one.holders(blob.blob_id) == two.holders(blob.blob_id) == sorted([first, second])
-    assert two.drop_files([f.ino], spare_held=True) == []  # open on a host: never evicted
-    assert one.holders(0) == []
+    one.content.commit_content(f.ino, blob)
+    one.pool.hold(blob.blob_id, first)
+    two.pool.hold(blob.blob_id, second)
+    both = sorted([first, second])
+    assert one.pool.holders(blob.blob_id) == two.pool.holders(blob.blob_id) == both
+    assert two.content.drop_files([f.ino], spare_held=True) == []  # open on a host: never evicted
+    assert one.pool.holders(0) == []
 
-    one.release(blob.blob_id, first)
-    assert two.holders(blob.blob_id) == [second]
-    one.hold(blob.blob_id, first)
-    assert one.end_session(second)  # a host ends another's session: its holds go with it
-    assert two.holders(blob.blob_id) == [first]
-    assert not two.end_session(second)  # already gone
-    assert two.sessions() == {first: b'{"host": "one"}'}
+    one.pool.release(blob.blob_id, first)
+    assert two.pool.holders(blob.blob_id) == [second]
+    one.pool.hold(blob.blob_id, first)
+    assert one.pool.end_session(second)  # a host ends another's session: its holds go with it
+    assert two.pool.holders(blob.blob_id) == [first]
+    assert not two.pool.end_session(second)  # already gone
+    assert two.pool.sessions() == {first: b'{"host": "one"}'}
 
     one.engine.beat(first, 30)
     assert two.engine.alive(first) and not two.engine.alive(second)
 
-    assert one.end_session(first)
-    assert one.sessions() == {} and two.holders(blob.blob_id) == []
-    (removed,) = two.drop_files([f.ino], spare_held=True)
-    assert removed.gone and blob.blob_id in one.doomed()
+    assert one.pool.end_session(first)
+    assert one.pool.sessions() == {} and two.pool.holders(blob.blob_id) == []
+    (removed,) = two.content.drop_files([f.ino], spare_held=True)
+    assert removed.gone and blob.blob_id in one.content.doomed()
 
 
 # -- the embedded engine's change log --------------------------------------------------------
@@ -1233,8 +1269,8 @@ from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES, ROOT_INO, MetaStore
 meta = MetaStore(LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE))
 meta.engine.sync()  # (the format record)
 for number in range(int(sys.argv[2])):
-    meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
-meta.rename(ROOT_INO, b"f0", ROOT_INO, b"renamed", 0)
+    meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+meta.namespace.rename(ROOT_INO, b"f0", ROOT_INO, b"renamed", 0)
 os.kill(os.getpid(), 9)  # answered, and no close: as a daemon killed at that moment
 """
 
@@ -1304,9 +1340,9 @@ def assert_every_answered_change_back(path: Path) -> None:
     """The store a killed LOG_WRITER of 300 files leaves holds every change it answered."""
     meta = MetaStore(LmdbEngine(path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
+        names = {name for name, _, _ in meta.namespace.readdir_page(ROOT_INO, 0, 1000)}
         assert names == {b"f%d" % n for n in range(1, 300)} | {b"renamed"}
-        assert meta.usage().files == 300
+        assert meta.recency.usage().files == 300
         check_store(meta)
     finally:
         meta.close()
@@ -1466,7 +1502,7 @@ def test_the_lmdb_writer_process_ending_loses_nothing(tmp_path: Path) -> None:
         first = meta.engine.writer.pid
         assert first != os.getpid()
         for number in range(400):
-            meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+            meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
             if number == 200:
                 os.kill(first, signal.SIGKILL)
         assert meta.engine.sync(timeout=30)
@@ -1476,9 +1512,9 @@ def test_the_lmdb_writer_process_ending_loses_nothing(tmp_path: Path) -> None:
     assert not running(first)
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
+        names = {name for name, _, _ in meta.namespace.readdir_page(ROOT_INO, 0, 1000)}
         assert names == {b"f%d" % n for n in range(400)}
-        assert meta.usage().files == 400
+        assert meta.recency.usage().files == 400
         check_store(meta)
     finally:
         meta.close()
@@ -1496,7 +1532,7 @@ def test_without_an_lmdb_writer_process_changes_land_all_the_same(
     try:
         assert meta.engine.writer is None
         for number in range(100):
-            meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+            meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
         assert meta.engine.sync(timeout=30) and meta.engine.commit_failures == 0
     finally:
         meta.close()
@@ -1504,7 +1540,7 @@ def test_without_an_lmdb_writer_process_changes_land_all_the_same(
     assert lmdb_applied(tmp_path) > 100
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        assert meta.usage().files == 100
+        assert meta.recency.usage().files == 100
         check_store(meta)
     finally:
         meta.close()
@@ -1520,7 +1556,7 @@ meta.engine.sync()
 Path(sys.argv[1], "started").touch()
 deadline, number = time.monotonic() + float(sys.argv[2]), 0
 while time.monotonic() < deadline:
-    meta.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
+    meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
     number += 1
 meta.close()
 """
@@ -1568,7 +1604,7 @@ def test_replay_stops_at_a_torn_record(tmp_path: Path) -> None:
     assert changes_in_log(tmp_path) == records - 1
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 1000)}
+        names = {name for name, _, _ in meta.namespace.readdir_page(ROOT_INO, 0, 1000)}
         assert b"renamed" not in names  # the rename was the last record
         assert names <= {b"f%d" % n for n in range(50)} and b"f0" in names
         check_store(meta)
@@ -1615,16 +1651,16 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
     monkeypatch.setattr("kvfs.engines.lmdb_engine.COMMIT_GATHER_SECONDS", 0.5)
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
+        meta.namespace.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
         meta.engine.sync()
         applied = meta.engine._applied()  # (what LMDB itself holds)
-        meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept", 0)
-        meta.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
-        meta.rename(ROOT_INO, b"old", ROOT_INO, b"kept again", 0)
+        meta.namespace.rename(ROOT_INO, b"old", ROOT_INO, b"kept", 0)
+        meta.namespace.make(ROOT_INO, b"old", stat.S_IFREG | 0o644, 0, 0)
+        meta.namespace.rename(ROOT_INO, b"old", ROOT_INO, b"kept again", 0)
         for number in range(3):  # stores: a temporary name, its content, the rename
-            made = meta.make(ROOT_INO, b"f%d.tmp" % number, stat.S_IFREG | 0o644, 0, 0)
-            meta.commit_content(made.ino, new_blob(meta, made.ino, 4096))
-            meta.rename(ROOT_INO, b"f%d.tmp" % number, ROOT_INO, b"f%d" % number, 0)
+            made = meta.namespace.make(ROOT_INO, b"f%d.tmp" % number, stat.S_IFREG | 0o644, 0, 0)
+            meta.content.commit_content(made.ino, new_blob(meta, made.ino, 4096))
+            meta.namespace.rename(ROOT_INO, b"f%d.tmp" % number, ROOT_INO, b"f%d" % number, 0)
         group = meta.engine._active  # the group about to reach LMDB, whole
         assert len(group.payloads) == group.last_seq - applied >= 12  # (and id batches)
         assert meta.engine.sync()
@@ -1633,10 +1669,11 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
         meta.close()
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        names = {name for name, _, _ in meta.readdir_page(ROOT_INO, 0, 100)}
+        names = {name for name, _, _ in meta.namespace.readdir_page(ROOT_INO, 0, 100)}
         assert names == {b"kept", b"kept again", b"f0", b"f1", b"f2"}
-        assert meta.lookup(ROOT_INO, b"old") is None
-        assert meta.names(meta.lookup(ROOT_INO, b"f1").ino) == [(ROOT_INO, b"f1")]
+        assert meta.namespace.lookup(ROOT_INO, b"old") is None
+        f1 = meta.namespace.lookup(ROOT_INO, b"f1")
+        assert f1 is not None and meta.namespace.names(f1.ino) == [(ROOT_INO, b"f1")]
         check_store(meta)
     finally:
         meta.close()

@@ -558,7 +558,7 @@ def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
     (first.mountpoint / "chunk").write_bytes(os.urandom(MiB))
     meta = MetaStore(RedisEngine(redis_server.url))
     try:
-        inode = meta.lookup(ROOT_INO, b"chunk")
+        inode = meta.namespace.lookup(ROOT_INO, b"chunk")
         assert inode is not None and inode.blob
         chance = random.Random(19)
         for _ in range(40):
@@ -566,9 +566,9 @@ def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
             time.sleep(chance.uniform(0, 0.07))
             with open(second.mountpoint / "chunk", "rb") as reader:
                 time.sleep(0.15)  # a batch of releases on its way at the open has landed
-                assert meta.holders(inode.blob), "the hold of an open file was erased"
+                assert meta.pool.holders(inode.blob), "the hold of an open file was erased"
                 assert len(reader.read()) == MiB
-        assert wait_for(lambda: meta.holders(inode.blob) == [], 5)
+        assert wait_for(lambda: meta.pool.holders(inode.blob) == [], 5)
     finally:
         meta.close()
 

@@ -4,8 +4,8 @@ Checks every directory entry and inode, every blob record against its data file 
 every block checksum), looks for data files no record names, and recounts usage. Repair drops
 files whose data is missing or damaged, reclaims orphaned data and fixes the counters.
 
-The repairs only fsck makes (`remove_entry`, `set_nlink`, `forget_blob`, `set_usage`) and
-`recount` live here, as functions of a `MetaStore` over its helpers (kvfs/meta/base.py).
+The repairs only fsck makes (`Repairs`, over the store's core, kvfs/meta/core.py) and
+`recount` live here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from kvfs.data.store import ChecksumError, DataStore
 from kvfs.data.verify import take_sums
 from kvfs.data.volume import Volume, VolumeError
 from kvfs.engines.interface import Txn
-from kvfs.meta import MODEL_BYTES, MODEL_FILES, ROOT_INO, Inode, MetaStore, u64
+from kvfs.meta import MODEL_BYTES, MODEL_FILES, ROOT_INO, Inode, MetaCore, MetaStore, u64
+from kvfs.meta.recency import Recency
 from kvfs.observe.models import model_of
 from kvfs.pool.reaper import reap_doomed, recover
 from kvfs.records import BlobInfo
@@ -51,7 +52,7 @@ def run(data_dir: Path, repair: bool, console: Console | None = None,
         os.close(lock_fd)
         raise FsckError(str(error)) from None
     try:
-        live = [session for session in meta.sessions() if meta.engine.alive(session)]
+        live = [session for session in meta.pool.sessions() if meta.engine.alive(session)]
         if live:
             raise FsckError(f"{data_dir} is mounted by {len(live)} hosts; unmount them first")
         checker = Checker(meta, volume, volume.open_data(), console)
@@ -72,6 +73,7 @@ class Checker:
     def __init__(self, meta: MetaStore, volume: Volume, data: DataStore,
                  console: Console) -> None:
         self.meta = meta
+        self.repairs = Repairs(meta.core, meta.recency)
         self.volume = volume
         self.data = data
         self.console = console
@@ -86,8 +88,8 @@ class Checker:
     def check(self, repair: bool) -> int:
         leftovers = {
             "staged data files": sum(path.is_file() for path in self.data.staging_root.rglob("*")),
-            "data files of removed files": len(self.meta.doomed()),
-            "host sessions": len(self.meta.sessions()),
+            "data files of removed files": len(self.meta.content.doomed()),
+            "host sessions": len(self.meta.pool.sessions()),
         }
         if any(leftovers.values()):
             self.report("left by a crash: " + ", ".join(
@@ -95,9 +97,9 @@ class Checker:
             if repair:
                 for blob_id in recover(self.meta, self.data, self.volume):
                     self._take_sums(blob_id)
-        inodes = {inode.ino: inode for inode in self.meta.inodes()}
+        inodes = {inode.ino: inode for inode in self.meta.namespace.inodes()}
         self._check_entries(inodes, repair)
-        blobs = {blob.blob_id: blob for blob in self.meta.blobs()}
+        blobs = {blob.blob_id: blob for blob in self.meta.content.blobs()}
         self._check_blobs(inodes, blobs, repair)
         self._check_orphan_data(blobs, repair)
         self._check_counters(repair)
@@ -106,11 +108,11 @@ class Checker:
     def _check_entries(self, inodes: dict[int, Inode], repair: bool) -> None:
         linked = {ROOT_INO}
         names: dict[int, int] = {}
-        for parent, name, ino in self.meta.entries():
+        for parent, name, ino in self.meta.namespace.entries():
             if ino not in inodes or parent not in inodes:
                 self.report(f"entry {name!r} in directory {parent} names missing inode {ino}")
                 if repair:
-                    remove_entry(self.meta, parent, name, ino)
+                    self.repairs.remove_entry(parent, name, ino)
             else:
                 linked.add(ino)
                 names[ino] = names.get(ino, 0) + 1
@@ -120,11 +122,11 @@ class Checker:
                 self.report(f"{inode.name!r} (inode {ino}) has {count} names, nlink "
                             f"{inode.nlink}")
                 if repair:
-                    set_nlink(self.meta, ino, count)
+                    self.repairs.set_nlink(ino, count)
         for ino in inodes.keys() - linked:
             self.report(f"inode {ino} ({inodes[ino].name!r}) is in no directory")
             if repair:
-                self.meta.drop_files([ino])
+                self.meta.content.drop_files([ino])
             del inodes[ino]
 
     def _check_blobs(self, inodes: dict[int, Inode], blobs: dict[int, BlobInfo],
@@ -134,11 +136,11 @@ class Checker:
             inode = owned.pop(blob_id)
             self.report(f"{inode.name!r} (inode {inode.ino}) has no record of its data")
             if repair:
-                self.meta.drop_files([inode.ino])
+                self.meta.content.drop_files([inode.ino])
         for blob_id in blobs.keys() - owned.keys():
             self.report(f"data record {blob_id:016x} belongs to no file")
             if repair:
-                forget_blob(self.meta, blob_id)
+                self.repairs.forget_blob(blob_id)
         total = sum(blobs[blob_id].size for blob_id in owned)
         with _progress(self.console) as progress:
             task = progress.add_task("verifying data", total=total)
@@ -150,7 +152,7 @@ class Checker:
                     continue
                 self.report(f"{inode.name!r} (inode {inode.ino}): {damage}")
                 if repair:
-                    self.meta.drop_files([inode.ino])
+                    self.meta.content.drop_files([inode.ino])
         if repair:
             reap_doomed(self.meta, self.data)
 
@@ -160,13 +162,14 @@ class Checker:
         try:
             take_sums(self.meta, self.data, blob_id)
         except ChecksumError as error:
-            info = self.meta.blob_info(blob_id)
+            info = self.meta.content.blob_info(blob_id)
             self.report(f"blob {blob_id:016x}: {error}")
             if info is not None:
-                self.meta.drop_files([info.ino])
+                self.meta.content.drop_files([info.ino])
 
     def _check_orphan_data(self, blobs: dict[int, BlobInfo], repair: bool) -> None:
-        known = set(self.meta.doomed()) | {blob.blob_id for blob in self.meta.blobs()}
+        content = self.meta.content
+        known = set(content.doomed()) | {blob.blob_id for blob in content.blobs()}
         for shard in self.data.blobs_dir.iterdir():
             for entry in os.scandir(shard):
                 try:
@@ -181,15 +184,15 @@ class Checker:
 
     def _check_counters(self, repair: bool) -> None:
         self.used, self.files, models = recount(self.meta)
-        usage = self.meta.usage()
+        usage = self.meta.recency.usage()
         if (usage.used, usage.files) != (self.used, self.files):
             self.report(f"usage counters say {usage.used} bytes in {usage.files} files, "
                         f"counted {self.used} bytes in {self.files} files")
-        if self.meta.models() != models:
-            self.report(f"per-model usage says {self.meta.models()}, counted {models}")
+        if self.meta.recency.models() != models:
+            self.report(f"per-model usage says {self.meta.recency.models()}, counted {models}")
         if repair and ((usage.used, usage.files) != (self.used, self.files)
-                       or self.meta.models() != models):
-            set_usage(self.meta, self.used, self.files, models)
+                       or self.meta.recency.models() != models):
+            self.repairs.set_usage(self.used, self.files, models)
 
 
 def _progress(console: Console) -> Progress:
@@ -197,16 +200,16 @@ def _progress(console: Console) -> Progress:
                     TransferSpeedColumn(), console=console, transient=True)
 
 
-# -- repairs and recount (over the store's helpers: the namespace logic stays in kvfs/meta/) --
+# -- recount and repairs (over the store's core: the namespace logic stays in kvfs/meta/) ---
 
 
 def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
     """What the usage counters should say, counted from the records: used bytes, files and
     per-model usage (fsck and tests compare them with the counters)."""
-    used = sum(blob.allocated for blob in meta.blobs())
+    used = sum(blob.allocated for blob in meta.content.blobs())
     files = 0
     models: dict[str, dict[str, int]] = {}
-    for inode in meta.inodes():
+    for inode in meta.namespace.inodes():
         if inode.is_dir:
             continue
         files += 1
@@ -218,37 +221,40 @@ def recount(meta: MetaStore) -> tuple[int, int, dict[str, dict[str, int]]]:
     return used, files, models
 
 
-def remove_entry(meta: MetaStore, parent: int, name: bytes, ino: int) -> None:
-    """Delete a directory entry whose inode is missing."""
-    def change(txn: Txn) -> None:
-        meta._unlink(txn, parent, name, ino)
-    meta._change(change)
+class Repairs:
+    """The repairs only fsck makes, over the store's core."""
 
+    def __init__(self, core: MetaCore, recency: Recency) -> None:
+        self.core = core
+        self.recency = recency
 
-def set_nlink(meta: MetaStore, ino: int, nlink: int) -> None:
-    """Set a file's link count to the number of its names."""
-    def change(txn: Txn) -> None:
-        meta._put(txn, meta._get(txn, ino)._replace(nlink=nlink))
-    meta._change(change)
+    def remove_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """Delete a directory entry whose inode is missing."""
+        def change(txn: Txn) -> None:
+            self.core.unlink(txn, parent, name, ino)
+        self.core.change(change)
 
+    def set_nlink(self, ino: int, nlink: int) -> None:
+        """Set a file's link count to the number of its names."""
+        def change(txn: Txn) -> None:
+            self.core.put(txn, self.core.get(txn, ino)._replace(nlink=nlink))
+        self.core.change(change)
 
-def forget_blob(meta: MetaStore, blob_id: int) -> None:
-    """Delete a blob record no inode points at (its data file goes with it)."""
-    def change(txn: Txn) -> None:
-        txn.delete("blob", u64(blob_id))
-        txn.put("doomed", u64(blob_id), b"")
-    meta._change(change)
+    def forget_blob(self, blob_id: int) -> None:
+        """Delete a blob record no inode points at (its data file goes with it)."""
+        def change(txn: Txn) -> None:
+            txn.delete("blob", u64(blob_id))
+            txn.put("doomed", u64(blob_id), b"")
+        self.core.change(change)
 
-
-def set_usage(meta: MetaStore, used: int, files: int,
-              models: dict[str, dict[str, int]]) -> None:
-    """Reset the usage counters to what was counted (by adding the difference)."""
-    now = meta.usage()
-    def change(txn: Txn) -> None:
-        txn.add("counters", b"used_bytes", used - now.used)
-        txn.add("counters", b"files", files - now.files)
-        txn.clear("models")
-        for model, counts in models.items():
-            txn.add("models", model.encode() + MODEL_FILES, counts["files"])
-            txn.add("models", model.encode() + MODEL_BYTES, counts["bytes"])
-    meta._change(change)
+    def set_usage(self, used: int, files: int, models: dict[str, dict[str, int]]) -> None:
+        """Reset the usage counters to what was counted (by adding the difference)."""
+        now = self.recency.usage()
+        def change(txn: Txn) -> None:
+            txn.add("counters", b"used_bytes", used - now.used)
+            txn.add("counters", b"files", files - now.files)
+            txn.clear("models")
+            for model, counts in models.items():
+                txn.add("models", model.encode() + MODEL_FILES, counts["files"])
+                txn.add("models", model.encode() + MODEL_BYTES, counts["bytes"])
+        self.core.change(change)

@@ -3,7 +3,7 @@
 Memory: one mapping of `capacity` bytes, faulted in once at the first read the daemon serves
 (a mount whose reads all pass through the kernel never maps it) and cut into block-sized
 slots, so the cache never exceeds its size and never pays page faults on the read path (fresh
-pages would cap volume reads near 1.2 GB/s on these machines; reused ones run at ~12 GB/s).
+pages cap volume reads far below what reused ones reach).
 
 Reads: volume reads run in worker threads, in runs of up to RUN_BYTES (one preadv each), so the
 event loop keeps answering the kernel's 128 KiB - 1 MiB requests from memory while the next run

@@ -213,7 +213,7 @@ class DataStore:
         self._blobs = os.fspath(self.blobs_dir)
         self._staging = os.fspath(self.staging_dir)
 
-    # Paths as strings: a flush on the loop builds three, and pathlib costs ~10 µs each.
+    # Paths as strings: a flush on the loop builds three, and pathlib is slow at that.
     def path(self, blob_id: int) -> str:
         return f"{self._blobs}/{blob_id & 0xFF:02x}/{blob_id:016x}"
 

@@ -15,9 +15,8 @@ background (`LateHasher`), read from memory when they are all there and with O_D
 not (an O_DIRECT writer's bytes): the sums never pull a blob into the page cache. An O_DIRECT
 writer's sums wait while kernel writers keep committing (HASH_QUIET_SECONDS), at most
 HASH_DELAY_SECONDS: reading its bytes back from the volume during a store burst takes the
-volume's bandwidth from the writers (vLLM's tier stored 1.6x slower with the read-backs beside
-it). A buffered writer's bytes are hashed from memory at once, which costs the volume nothing.
-An open of a blob still without sums takes them first.
+volume's bandwidth from the writers. A buffered writer's bytes are hashed from memory at
+once, which costs the volume nothing. An open of a blob still without sums takes them first.
 """
 
 from __future__ import annotations
@@ -228,7 +227,7 @@ class LateHasher:
     def take_remaining_sums(self) -> None:
         """At unmount: take the sums still to be taken (a reboot would drop those files),
         marking what they checked as the background does."""
-        for blob_id, _ in self.meta.pending():
+        for blob_id, _ in self.meta.content.pending():
             try:
                 mark = take_sums(self.meta, self.data, blob_id)
                 if mark is not None:
@@ -256,7 +255,7 @@ def take_sums(meta: MetaStore, data: DataStore, blob_id: int) -> tuple[int, int]
     """Take and record the block sums of a blob the kernel wrote (blocking); returns its data
     file's mark if it did, None if there was nothing to do. ChecksumError if the data file
     does not have the size committed."""
-    info = meta.blob_info(blob_id)
+    info = meta.content.blob_info(blob_id)
     if info is None or not info.pending:
         return None
     try:
@@ -269,7 +268,7 @@ def take_sums(meta: MetaStore, data: DataStore, blob_id: int) -> tuple[int, int]
         resident = wholly_resident(fd, info.size)
         with contextlib.nullcontext(fd) if resident else uncached(fd) as read_fd:
             sums = block_sums(read_fd, info.size, buffer=aligned_buffer())
-        return _file_mark(fd) if meta.record_sums(blob_id, sums) is not None else None
+        return _file_mark(fd) if meta.content.record_sums(blob_id, sums) is not None else None
     finally:
         os.close(fd)
 

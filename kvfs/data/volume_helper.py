@@ -2,12 +2,10 @@
 volume's namespace that every store would otherwise make on the request loop.
 
 A store's open created its staged file (`staging/<blob id>`) and its close renamed the
-committed blob into blobs/: each a system call of 20-30 µs on the loop on a journaled ext4
-here (a metadata round trip on a shared filesystem; 0.5-2 ms on ext4 without a journal after
-large deletions). With sixteen writers of 4 KiB files the loop was busy 94 % of the time, 14 %
-of it in those two calls, while the VM's CPUs were a quarter idle. A worker thread cannot take
-them over: it hands the GIL to and from the loop at each call (sixteen writers stored 12-20 %
-less with a worker publishing than with the loop doing it). This process has an interpreter of
+committed blob into blobs/: each a system call on the loop (a metadata round trip on a shared
+filesystem), and with many small writers the loop is the bottleneck while CPUs idle. A worker
+thread cannot take them over: it hands the GIL to and from the loop at each call, which costs
+more than the call. This process has an interpreter of
 its own: it creates staged files ahead of need and passes their descriptors back
 (kvfs/files/spares.py), and renames the blobs the publisher hands it
 (`FileTable.run_publisher`), a batch per message.

@@ -7,7 +7,7 @@ the page cache, which outlives the process); a change in LMDB needs it no more.
 
 Records are copied into segment files `DIR/changes-<first seq, 16 hex>.log`, each allocated
 whole (SEGMENT_MAX, fallocate) and mapped shared: an append is a copy into the page cache,
-no system call (a write(2) per change cost 10-14 µs here, a tenth of a create), and a full
+no system call (a write(2) per change would cost a good part of a create), and a full
 volume fails the segment's allocation, not a page fault. What follows the last record is
 zeros.
 

@@ -12,7 +12,8 @@ survives the daemon's death. The committer thread moves the layers into LMDB, on
 transaction per layer (group commit: everything answered during one sync goes into the next),
 run by the LMDB writer process (kvfs/engines/lmdb_writer.py, off this process's GIL), and the log
 segments LMDB now holds are deleted. A power loss undoes at most the changes answered since
-the last of those syncs (~50 ms) and never breaks the database; `sync()` waits for them.
+the last of those syncs (COMMIT_GATHER_SECONDS) and never breaks the database; `sync()`
+waits for them.
 
 Reads see one moment: a snapshot takes, under the engine's lock, an LMDB read transaction and
 the layers not yet in it, and reads each key from the newest layer that has it, else LMDB.
@@ -47,8 +48,8 @@ T = TypeVar("T")
 RETRY_SECONDS = 1.0  # a group LMDB refused (a full map) is tried again after this
 # A commit waits this long for more changes to join it: under a stream of small changes
 # (a store is 4-5 of them) one LMDB transaction and sync takes a burst, not each change.
-# Each sync also takes the volume's journal from the stores beside it: 4 KiB stores ran
-# 10-15 % faster at 50 ms than at 5 ms (one and 16 threads), no faster beyond. What a power
+# Each sync also takes the volume's journal from the stores beside it, so fewer syncs store
+# faster, up to about this gather time and no further. What a power
 # loss may undo is that much of the namespace's latest changes; the data written in the last
 # seconds is lost anyway unless --fsync syncs it.
 COMMIT_GATHER_SECONDS = 0.05

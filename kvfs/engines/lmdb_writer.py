@@ -4,10 +4,9 @@ The embedded engine (kvfs/engines/lmdb_engine.py) answers a change once it is in
 the change log; its committer thread then moves each group of changes into LMDB in one synced
 transaction. That work is done here, in a child process, not in the daemon: py-lmdb releases
 the GIL around every get and put, so a committer in the daemon's process and the request loop
-handed the GIL to each other at every LMDB call of either (an LMDB `get` of the loop cost
-~0.5 µs alone and ~6 µs with the committer running; 4 KiB stores ran 15-20 % faster with the
-committer idle). The committer thread now sends a group here and waits for the reply without
-the GIL; this process folds it, applies it and syncs on another CPU.
+handed the GIL to each other at every LMDB call of either, and each of the loop's reads got
+many times slower while the committer ran. The committer thread sends a group here and waits
+for the reply without the GIL; this process folds it, applies it and syncs on another CPU.
 
 Protocol, over pipes (the daemon writes this process's stdin and reads its stdout):
     request  the group's last seq u64, its payloads' total bytes u32, then each change's

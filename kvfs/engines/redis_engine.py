@@ -101,8 +101,8 @@ INDEXED = {"recency": 16, "pins": 1, "doomed": 1, "pending": 1, "sessions": 1}  
 COUNTERS = frozenset({"counters", "models"})
 PAGE = 512
 # A change that other hosts' changes of what it read keep from committing runs again for this
-# long before it fails (EAGAIN): contention ends in seconds (sixty-four tries, ~1.6 s, once
-# failed a mkdir among eight processes churning one directory on a loaded 2-vCPU VM).
+# long before it fails (EAGAIN): contention ends in seconds, but a fixed number of tries
+# fails under heavy churn of one directory on a loaded machine.
 CHANGE_SECONDS = 30.0
 BACKOFF_BASE = 0.0005  # seconds before a conflicted change runs again, doubling ...
 BACKOFF_MAX = 0.05  # ... up to this (randomized: hosts that collided spread out)
@@ -130,8 +130,8 @@ MARKER_MS = 7 * 24 * 3600 * 1000
 REPLAY_BATCH = 1000  # journaled changes per script call when a dead session's are applied
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # After a wake-up the watcher lets announcements gather this long before it reads again: a
-# storing host hears its own three per store, and one wake-up each cost ~150 µs of CPU and
-# the GIL taken from the loop (a store's announcements are read in one wake-up instead; the
+# storing host hears its own three per store, and each wake-up costs CPU and takes the GIL
+# from the loop (a store's announcements are read in one wake-up instead; the
 # first of a burst is still read at once).
 WATCH_GATHER_SECONDS = 0.005
 CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
@@ -1055,7 +1055,7 @@ class RedisEngine:
 
     def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:
         """COMMIT_SCRIPT's call packed by hiredis in one step (redis-py encodes each argument
-        in Python first: half the write-behind thread's time, with a batch's ~1,000)."""
+        in Python first, which would be most of the sender's time for a large batch)."""
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:

@@ -1,15 +1,14 @@
 """One connection to Redis for the trio loop itself: a change whose reads all came from the
 host's record cache commits from the loop (`RedisEngine.change_on_loop`), so that its one
-round trip costs no hand-off to a worker thread and back (two thread wake-ups, ~0.35 ms of a
-Redis store's ~1 ms per change on a small VM, against ~0.13 ms for the round trip itself).
+round trip costs no hand-off to a worker thread and back (two thread wake-ups, each longer
+than the round trip itself on a small VM).
 
 redis-py's clients are for threads (`redis.Redis`) or asyncio (`redis.asyncio`), not trio;
 this sends the protocol's command arrays itself (packed by hiredis, the C parser redis-py
 uses too, which also parses the replies). The socket is used directly, non-blocking: a
 request is one send() and, once the reply is due, one wait for the socket to be readable,
-so a round trip costs the loop one scheduler pass. (Through trio's streams, a lock and a
-checkpoint in each send and receive, a store's commit took 358 µs at the median where its
-round trip took 194; now 272 µs.)
+so a round trip costs the loop one scheduler pass (trio's streams take a lock and a
+checkpoint in each send and receive).
 
 Requests share the connection without waiting for each other (pipelining): each is sent at
 once, and Redis answers in the order it received them, so the replies are read in that

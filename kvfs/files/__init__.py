@@ -238,7 +238,7 @@ class FileTable(WritingOps):
     async def _content_to_change(self, ino: int, flags: int, caller: Caller, sums: bool
                                  ) -> tuple[Inode, BlobInfo | None]:
         """The content a writer (or a truncating open) starts from."""
-        inode = await self.meta_call(self.meta.get, ino)
+        inode = await self.meta_call(self.meta.namespace.get, ino)
         if inode.is_dir:
             raise fail(errno.EISDIR)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
@@ -252,10 +252,10 @@ class FileTable(WritingOps):
         """The inode and its blob record; with block sums if `sums`: those of a blob the
         kernel wrote are taken first if the background has not yet (EIO, the file dropped,
         if its data file is not what was committed)."""
-        inode, blob = await self.meta_call(self.meta.content, ino)
+        inode, blob = await self.meta_call(self.meta.content.get, ino)
         if sums and blob is not None and blob.pending:
             await self._take_sums(inode, blob)
-            inode, blob = await self.meta_call(self.meta.content, ino)
+            inode, blob = await self.meta_call(self.meta.content.get, ino)
         return inode, blob
 
     def _sums_may_wait(self, writable: bool, flags: int) -> bool:
@@ -281,7 +281,7 @@ class FileTable(WritingOps):
         without them and is served here after all. Its record may be gone (replaced
         meanwhile); its data file, held, is not: the sums are then taken from it here."""
         await self._take_sums(inode, blob)
-        summed = await self.meta_call(self.meta.blob_info, blob.blob_id)
+        summed = await self.meta_call(self.meta.content.blob_info, blob.blob_id)
         if summed is not None:
             return summed
         assert fd is not None  # a blob: _open_blob opened it
@@ -426,7 +426,7 @@ class FileTable(WritingOps):
         try:
             return self.data.open_blob(blob.blob_id)
         except FileNotFoundError:
-            if not await self.meta_call(self.meta.is_committed_blob, blob.blob_id):
+            if not await self.meta_call(self.meta.content.is_committed_blob, blob.blob_id):
                 raise fail(errno.ENOENT) from None  # evicted or replaced just now
             await self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
             raise fail(errno.ENOENT) from None

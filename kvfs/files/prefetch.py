@@ -56,8 +56,8 @@ MIN_BYTES = 1 << 20
 BURST_SECONDS = 1.0
 # Prefetch reads start once lookups pause this long: a burst of lookups (vLLM's scheduler
 # checks every block of a prompt, one after another) runs at full speed, and the reads
-# fill the gap before the loads instead of slowing every lookup of the burst (on 2 vCPUs
-# reads beside the lookups made vLLM's first `exists` 4-9x slower).
+# fill the gap before the loads instead of slowing every lookup of the burst (on a small
+# machine reads beside the lookups take the CPUs the lookups need).
 QUIET_SECONDS = 0.005
 DEFER_SECONDS_MAX = 0.05  # ... but under lookups that never pause, one starts this often
 WASTE_SECONDS = 60.0
@@ -206,7 +206,7 @@ class Prefetcher:
             self._committed_bytes -= wanted.size
 
     async def _load(self, wanted: Wanted) -> None:
-        inode, blob = await self.meta_call(self.meta.content, wanted.ino)
+        inode, blob = await self.meta_call(self.meta.content.get, wanted.ino)
         if blob is None or blob.blob_id != wanted.blob_id or blob.pending:
             return  # replaced, or its sums are not taken yet: the open does it all
         # Readers mostly O_DIRECT (vLLM's tier): the head start is the check alone, read with

@@ -135,10 +135,10 @@ class RetiringOps(FileState):
         log.error("dropping %r (ino %d): %s", inode.name, inode.ino, reason)
         try:
             current = (None if self._is_unlinked(inode.ino)
-                       else await self.meta_call(self.meta.get, inode.ino))
+                       else await self.meta_call(self.meta.namespace.get, inode.ino))
         except FileNotFoundError:
             current = None
         if current is None or (blob is not None and current.blob != blob.blob_id):
             return  # already replaced or removed: only this snapshot was bad
-        for removed in await self.meta_call(self.meta.drop_files, [inode.ino]):
+        for removed in await self.meta_call(self.meta.content.drop_files, [inode.ino]):
             self.retire(removed, behind_kernel=True)

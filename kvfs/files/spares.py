@@ -1,9 +1,8 @@
 """Spare staged files: writers' `staging/<blob id>` files, made ahead of need by the volume
 helper process (kvfs/data/volume_helper.py), so that a writer's open creates nothing on the volume.
 
-Creating a file is among the volume's slowest small operations: 20-30 µs on the request loop
-on a journaled ext4 here (the GIL's return included), a metadata round trip on a shared
-filesystem, 0.5-2 ms on ext4 without a journal after large deletions. The helper creates
+Creating a file is among the volume's slowest small operations (on the request loop, the
+GIL's return included; a metadata round trip on a shared filesystem). The helper creates
 SPARES_BATCH at a time, each named for a blob id taken ahead, and sends their descriptors
 back in one message; up to SPARES_KEPT wait here. A spare is an empty staged file like any
 other: the commit of the writer that takes it names its blob; unused ones are deleted at

@@ -191,7 +191,7 @@ class FileState:
             self.write_behind.rejournal()
 
     async def _take_blob_ids(self, count: int) -> range:
-        return await self.meta_call(self.meta.allocate_blob_ids, count)
+        return await self.meta_call(self.meta.content.allocate_blob_ids, count)
 
     async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None
                          ) -> Inode:
@@ -204,9 +204,9 @@ class FileState:
         if state and state.unlinked:
             inode = state.inode
         elif cached:
-            inode = await self.meta_call.cached(self.meta.get, ino, cached=True)
+            inode = await self.meta_call.cached(self.meta.namespace.get, ino, cached=True)
         else:
-            inode = await self.meta_call(self.meta.get, ino)
+            inode = await self.meta_call(self.meta.namespace.get, ino)
         state = self._open.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode

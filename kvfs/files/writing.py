@@ -63,7 +63,7 @@ class WritingOps(RetiringOps):
         """A write or truncate by `writer` clears setuid/setgid as Linux would."""
         bits = privileges_to_clear(await self.attributes(ino), writer)
         if bits:
-            await self.meta_call(self.meta.set_attrs, ino, clear_mode=bits)
+            await self.meta_call(self.meta.namespace.set_attrs, ino, clear_mode=bits)
             self.on_attributes_changed(ino)
 
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
@@ -253,7 +253,7 @@ class WritingOps(RetiringOps):
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
-        inode, old_blob = await self.meta_call.change(self.meta.commit_content, ino, blob,
+        inode, old_blob = await self.meta_call.change(self.meta.content.commit_content, ino, blob,
                                                       holder)
         if staged.syncs or (self.publish_later and self.helper is not None
                             and self.helper.alive):
@@ -297,7 +297,7 @@ class WritingOps(RetiringOps):
         Redis cannot be reached (they stay in staging/, where readers find them)."""
         if not write_behind.sent(hurry):
             return []
-        named = self.meta.committed_blobs([staged.blob_id for staged in batch])
+        named = self.meta.content.committed_blobs([staged.blob_id for staged in batch])
         undone = [staged for staged in batch if staged.blob_id not in named]
         for staged in undone:
             self.data.discard_staging(staged.blob_id)
@@ -357,7 +357,7 @@ class WritingOps(RetiringOps):
         """Hash (unless the kernel wrote it and it is large: then in the background, after
         the commit), commit (with `holder`'s hold) and publish."""
         blob = staged.finish(ino, hash_later)
-        inode, old_blob = self.meta.commit_content(ino, blob, holder)
+        inode, old_blob = self.meta.content.commit_content(ino, blob, holder)
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()
         return blob, inode, old_blob

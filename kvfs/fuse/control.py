@@ -38,8 +38,8 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
                    passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> dict:
     """The mount's state, taken on the loop (the metadata read in a worker)."""
     def read() -> tuple[int, int, dict[str, dict[str, int]]]:
-        hosts = len(meta.sessions()) if meta.engine.shared else 1
-        return meta.usage().files, hosts, meta.models()
+        hosts = len(meta.pool.sessions()) if meta.engine.shared else 1
+        return meta.recency.usage().files, hosts, meta.recency.models()
 
     files, hosts, models = await off_loop(read)
     capacity, used = await space.room()

@@ -64,9 +64,9 @@ USER_XATTR = b"user."
 EXECUTE_BITS = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 STATFS_BLOCK = 4096  # LMCache's use_odirect checks sizes against statvfs().f_bsize
 # glibc sizes a directory stream's buffer by st_blksize (32 KiB to 1 MiB), and the kernel
-# allocates that much for each FUSE readdir. Measured here (listing 100,000 entries; `du` of
-# 4,096 directories of 4 files): 1 MiB (the files' block) made `du` 1.5-2x slower; 32 KiB
-# made the large listing 1.5x slower (30x the requests); 256 KiB is as good as the best of both.
+# allocates that much for each FUSE readdir: the files' 1 MiB block makes `du` of many small
+# directories slower, a small one makes large listings many more requests; this size is as
+# good as the best of both (docs/benchmarks.md).
 DIRECTORY_BLKSIZE = 256 << 10
 # ... except for directories of many subdirectories (vLLM's tree has 4,096 at its top): with
 # 1 MiB their whole listing comes in the first READDIRPLUS, with attributes, and `du` or `find`
@@ -258,7 +258,7 @@ class KvfsOperations(pyfuse3.Operations):
         if control is not None:
             return self._entry(control)
         started = time.monotonic()
-        inode = await self.meta_call.cached(self.meta.lookup, parent_inode, name,
+        inode = await self.meta_call.cached(self.meta.namespace.lookup, parent_inode, name,
                                                 cached=True)
         racing = self.notifier.changed_since(parent_inode, name, started)
         return self._told(self._looked_up(inode, racing, ctx))
@@ -310,7 +310,7 @@ class KvfsOperations(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 await self.files.truncate(handle, attr.st_size)
             else:
-                await self.files.truncate_path(await self.meta_call(self.meta.get, inode),
+                await self.files.truncate_path(await self.meta_call(self.meta.namespace.get, inode),
                                                                     attr.st_size, caller(ctx))
                 self.notifier.attributes_changed(inode)
         changed: dict[str, int | None] = {
@@ -327,7 +327,7 @@ class KvfsOperations(pyfuse3.Operations):
                 (fields.update_mode, fields.update_size, fields.update_atime,
                  fields.update_mtime))
             cleared = await self.files.cleared_by_chown(inode, caller(ctx)) if chown else 0
-            await self.meta_call(self.meta.set_attrs, inode, mode=changed["mode"],
+            await self.meta_call(self.meta.namespace.set_attrs, inode, mode=changed["mode"],
                                  uid=changed["uid"], gid=changed["gid"],
                                  atime_ns=changed["atime_ns"], mtime_ns=changed["mtime_ns"],
                                  clear_mode=cleared)
@@ -339,38 +339,38 @@ class KvfsOperations(pyfuse3.Operations):
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call.change(self.meta.make, parent_inode, name, mode, ctx.uid,
-                                            ctx.gid, rdev=rdev)
+        inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name, mode,
+                                            ctx.uid, ctx.gid, rdev=rdev)
         return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+        inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        self.files.retire(await self.meta_call.change(self.meta.remove, parent_inode, name,
-                                                      is_dir=False))
+        self.files.retire(await self.meta_call.change(self.meta.namespace.remove, parent_inode,
+                                                      name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode, name))
-        await self.meta_call.change(self.meta.remove, parent_inode, name, is_dir=True)
+        await self.meta_call.change(self.meta.namespace.remove, parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
-        _, replaced = await self.meta_call.change(self.meta.rename, parent_inode_old, name_old,
-                                                  parent_inode_new, name_new, flags)
+        _, replaced = await self.meta_call.change(self.meta.namespace.rename, parent_inode_old,
+                                                  name_old, parent_inode_new, name_new, flags)
         if replaced is not None:
             self.files.retire(replaced)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+        inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFLNK | 0o777, ctx.uid, ctx.gid, target=target)
         return entry_attributes(inode, self.caching.entry)
 
@@ -380,13 +380,13 @@ class KvfsOperations(pyfuse3.Operations):
         inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        linked = await self.meta_call(self.meta.link, inode, new_parent_inode, new_name)
+        linked = await self.meta_call(self.meta.namespace.link, inode, new_parent_inode, new_name)
         return self._told(self._entry(linked))
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
         if self.control.owns(inode):
             raise FUSEError(errno.EINVAL)
-        return await self.meta_call(self.meta.readlink, inode)
+        return await self.meta_call(self.meta.namespace.readlink, inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for nodeid, lookups in inode_list:
@@ -412,10 +412,11 @@ class KvfsOperations(pyfuse3.Operations):
         while True:  # in pages: a huge directory is never read whole
             wanted = self._readdir_fits
             if plus:
-                page = await self.meta_call(self.meta.readdir_page, fh, after, wanted)
+                page = await self.meta_call(self.meta.namespace.readdir_page, fh, after, wanted)
                 entries = [(name, self._entry(inode), cookie) for name, inode, cookie in page]
             else:
-                typed = await self.meta_call(self.meta.readdir_types_page, fh, after, wanted)
+                typed = await self.meta_call(self.meta.namespace.readdir_types_page, fh, after,
+                                             wanted)
                 entries = [(name, typed_entry(ino, mode), cookie)
                            for name, ino, mode, cookie in typed]
             for sent, (name, attributes, cookie) in enumerate(entries):
@@ -443,7 +444,7 @@ class KvfsOperations(pyfuse3.Operations):
         result.f_blocks = capacity // STATFS_BLOCK
         result.f_bfree = result.f_bavail = max(0, capacity - used) // STATFS_BLOCK
         result.f_ffree = result.f_favail = 1 << 32
-        result.f_files = (await self.meta_call(self.meta.usage)).files + result.f_ffree
+        result.f_files = (await self.meta_call(self.meta.recency.usage)).files + result.f_ffree
         result.f_namemax = NAME_MAX
         return result
 
@@ -452,7 +453,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         self._refuse_control((parent_inode, name))
-        inode = await self.meta_call.change(self.meta.make, parent_inode, name,
+        inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
                                        nodeid=inode.ino)
@@ -514,18 +515,19 @@ class KvfsOperations(pyfuse3.Operations):
         inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        await self.meta_call(self.meta.setxattr, inode, name, value)
+        await self.meta_call(self.meta.namespace.setxattr, inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
         inode = self.kernel.ino(inode)
         if not name.startswith(USER_XATTR) or self.control.owns(inode):
             raise FUSEError(errno.ENODATA)
-        return await self.meta_call(self.meta.getxattr, inode, name)
+        return await self.meta_call(self.meta.namespace.getxattr, inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
         inode = self.kernel.ino(inode)
-        return [] if self.control.owns(inode) else await self.meta_call(self.meta.listxattr,
-                                                                        inode)
+        if self.control.owns(inode):
+            return []
+        return await self.meta_call(self.meta.namespace.listxattr, inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
         if not name.startswith(USER_XATTR):
@@ -533,4 +535,4 @@ class KvfsOperations(pyfuse3.Operations):
         inode = self.kernel.ino(inode)
         if self.control.owns(inode):
             raise FUSEError(errno.EPERM)
-        await self.meta_call(self.meta.removexattr, inode, name)
+        await self.meta_call(self.meta.namespace.removexattr, inode, name)

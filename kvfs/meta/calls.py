@@ -56,7 +56,7 @@ class MetaCalls:
     async def cached(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A read whose answer the kernel caches (a `cached` snapshot): on a shared engine
         tried on the loop first, from the engine's memory, and in a worker only if it needs a
-        round trip (a worker costs two thread handoffs, ~0.2 ms on a small VM)."""
+        round trip (a worker costs two thread handoffs)."""
         if self.blocking:
             try:
                 with self.engine.from_memory():

@@ -11,16 +11,20 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from kvfs.engines.interface import Txn
-from kvfs.meta.base import MetaBase
+from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import Inode, Removed, from_u64, u64
 from kvfs.records import BlobInfo, FsError, fail
 
 
-class ContentOps(MetaBase):
+class Content:
     """Blobs: which one holds a file's content, what becomes of those replaced, and files
     dropped whole."""
 
-    def content(self, ino: int) -> tuple[Inode, BlobInfo | None]:
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+        self.engine = core.engine
+
+    def get(self, ino: int) -> tuple[Inode, BlobInfo | None]:
         """An inode and the record of its blob, as of one moment (a shared engine's reads
         are not one snapshot: a blob replaced between the two reads means read again; so
         does one this host's changes queued ahead of Redis still name, but another host has
@@ -28,9 +32,9 @@ class ContentOps(MetaBase):
         waited_for_queue = not self.engine.shared
         while True:
             with self.engine.snapshot() as txn:
-                inode = self._get(txn, ino)
+                inode = self.core.get(txn, ino)
                 raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
-                if inode.blob and raw is None and self._get(txn, ino).blob != inode.blob:
+                if inode.blob and raw is None and self.core.get(txn, ino).blob != inode.blob:
                     continue
             if inode.blob and raw is None:
                 if waited_for_queue:
@@ -40,18 +44,18 @@ class ContentOps(MetaBase):
                 continue
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
-    def content_held(self, ino: int, session: bytes) -> tuple[Inode, BlobInfo | None]:
-        """`content`, read in the change that records `session`'s hold of the inode's blob (a
+    def get_held(self, ino: int, session: bytes) -> tuple[Inode, BlobInfo | None]:
+        """`get`, read in the change that records `session`'s hold of the inode's blob (a
         shared pool's open: the read and the hold in one round trip of the loop's)."""
         def change(txn: Txn) -> tuple[Inode, BlobInfo | None]:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             raw = txn.get("blob", u64(inode.blob)) if inode.blob else None
             if inode.blob and raw is None:
                 raise fail(errno.EIO)
             if inode.blob:
-                self._record_hold(txn, inode.blob, session)
+                self.core.record_hold(txn, inode.blob, session)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
-        return self._change(change)
+        return self.core.change(change)
 
     def blobs(self) -> Iterator[BlobInfo]:
         with self.engine.snapshot() as txn:
@@ -86,29 +90,29 @@ class ContentOps(MetaBase):
         Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
         now = time.time_ns()
         def change(txn: Txn) -> tuple[Inode, int]:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             old_blob = inode.blob
             if old_blob:  # (the caller frees it on this change's word)
                 txn.agree_first()
-            self._release_blob(txn, old_blob)
+            self.core.release_blob(txn, old_blob)
             size = allocated = 0
             if blob is not None:
                 txn.put("blob", u64(blob.blob_id), blob.pack())
                 if holder is not None:
-                    self._record_hold(txn, blob.blob_id, holder)
+                    self.core.record_hold(txn, blob.blob_id, holder)
                 if blob.pending:
-                    txn.put("pending", u64(blob.blob_id), self.session)
+                    txn.put("pending", u64(blob.blob_id), self.core.session)
                 txn.add("counters", b"used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
             updated = inode._replace(size=size, allocated=allocated,
                                      blob=blob.blob_id if blob else 0,
                                      version=inode.version + 1,
                                      atime_ns=now, mtime_ns=now, ctime_ns=now)
-            self._put(txn, updated)
-            self._index_use(txn, inode, inode.atime_ns, now)
-            self._count_model(txn, inode, inode.name, 0, allocated - inode.allocated)
+            self.core.put(txn, updated)
+            self.core.index_use(txn, inode, inode.atime_ns, now)
+            self.core.count_model(txn, inode, inode.name, 0, allocated - inode.allocated)
             return updated, old_blob
-        return self._change(change)
+        return self.core.change(change)
 
     def pending(self, session: bytes = b"") -> list[tuple[int, int]]:
         """(blob id, owner ino) of blobs whose sums `session` was still to take."""
@@ -130,7 +134,7 @@ class ContentOps(MetaBase):
             txn.put("blob", u64(blob_id), settled.pack())
             txn.delete("pending", u64(blob_id))
             return settled
-        return self._change(change)
+        return self.core.change(change)
 
     def doomed(self) -> list[int]:
         with self.engine.snapshot() as txn:
@@ -144,7 +148,7 @@ class ContentOps(MetaBase):
         def change(txn: Txn) -> None:
             for blob_id in blob_ids:
                 txn.delete("doomed", u64(blob_id))
-        self._change(change)
+        self.core.change(change)
 
     def drop_files(self, inos: Iterable[int], spare_held: bool = False) -> list[Removed]:
         """Remove files with every name they have (eviction, lost data), in one transaction;
@@ -155,16 +159,16 @@ class ContentOps(MetaBase):
             dropped = []
             for ino in inos:
                 try:
-                    inode = self._get(txn, ino)
+                    inode = self.core.get(txn, ino)
                 except FsError:
                     continue
-                if spare_held and inode.blob and self._holders(txn, inode.blob):
+                if spare_held and inode.blob and self.core.holders(txn, inode.blob):
                     continue
-                names = self._names(txn, inode)
+                names = self.core.names(txn, inode)
                 for parent, name in names:
-                    self._unlink(txn, parent, name, inode)
-                    self._adjust_parent(txn, parent, 0, now)
-                self._drop_inode(txn, inode)
+                    self.core.unlink(txn, parent, name, inode)
+                    self.core.adjust_parent(txn, parent, 0, now)
+                self.core.drop_inode(txn, inode)
                 dropped.append(Removed(inode._replace(nlink=0), names))
             return dropped
-        return self._change(change)
+        return self.core.change(change)

@@ -10,7 +10,7 @@ import struct
 import time
 
 from kvfs.engines.interface import Txn
-from kvfs.meta.base import MetaBase
+from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import (
     FORMAT,
     MODEL_BYTES,
@@ -30,10 +30,14 @@ from kvfs.meta.schema import (
 from kvfs.records import BLOB_RECORD
 
 
-class FormatOps(MetaBase):
+class Formats:
     """Opening a store: its format, made or brought up to date."""
 
-    def _open_format(self, txn: Txn) -> None:
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+
+    def open(self, txn: Txn) -> None:
+        """Format a new store, or bring an older format up to date (in the change `txn`)."""
         stored = txn.get("settings", b"format")
         if stored is None:
             self._format(txn)
@@ -75,12 +79,12 @@ class FormatOps(MetaBase):
             ino = from_u64(key)
             inode = Inode(ino, mode, nlink, uid, gid, 0, size, allocated.get(ino, 0), atime_ns,
                           mtime_ns, ctime_ns, parent, blob, version, bytes(raw[old_inode.size:]))
-            self._put(txn, inode)
+            self.core.put(txn, inode)
         txn.add("counters", b"used_bytes",
                 sum(allocated.values()) - txn.count("counters", b"used_bytes"))
         txn.clear("models")
         for inode in [Inode.unpack(from_u64(k), v) for k, v in txn.scan("inode")]:
-            self._count_model(txn, inode, inode.name, 1, inode.allocated)
+            self.core.count_model(txn, inode, inode.name, 1, inode.allocated)
         for key, child in list(txn.scan("dentry")):
             txn.put("dentry", key, child + child)  # the cookie is the child ino
             txn.put("links", child + key, b"")
@@ -104,7 +108,7 @@ class FormatOps(MetaBase):
         directories = [from_u64(key) for key, raw in txn.scan("inode")
                        if stat.S_ISDIR(mode_of(raw))]
         for directory in directories:
-            entries = list(self._entries(txn, directory))
+            entries = list(self.core.entries(txn, directory))
             children = txn.get_many("inode", [bytes(value[:8]) for _, value in entries])
             for (key, value), raw in zip(entries, children, strict=True):
                 if raw is None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 
 from kvfs.engines.interface import ChangesPending, Txn
-from kvfs.meta.base import MetaBase
+from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import (
     LINK_MAX,
     NAME_MAX,
@@ -32,15 +32,19 @@ from kvfs.meta.schema import (
 from kvfs.records import fail
 
 
-class NamespaceOps(MetaBase):
+class Namespace:
     """Directories, names, attributes and xattrs of the store."""
+
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+        self.engine = core.engine
 
     # -- reads ---------------------------------------------------------------------------
 
     def get(self, ino: int, cached: bool = False) -> Inode:
         """`cached`: for the kernel's attribute cache (`Engine.snapshot`)."""
         with self.engine.snapshot(cached) as txn:
-            return self._get(txn, ino)
+            return self.core.get(txn, ino)
 
     def lookup(self, parent: int, name: bytes, cached: bool = False) -> Inode | None:
         """`cached`: for the kernel's name cache (`Engine.snapshot`)."""
@@ -62,11 +66,11 @@ class NamespaceOps(MetaBase):
 
     def names(self, ino: int) -> list[tuple[int, bytes]]:
         with self.engine.snapshot() as txn:
-            return self._names(txn, self._get(txn, ino))
+            return self.core.names(txn, self.core.get(txn, ino))
 
     def readlink(self, ino: int) -> bytes:
         with self.engine.snapshot() as txn:
-            self._get(txn, ino)
+            self.core.get(txn, ino)
             target = txn.get("symlink", u64(ino))
         if target is None:
             raise fail(errno.EINVAL)
@@ -76,7 +80,7 @@ class NamespaceOps(MetaBase):
         """Entries of `parent` with a cookie > after, in cookie order: (name, inode, cookie)."""
         unpack = Inode.unpack
         with self.engine.snapshot() as txn:
-            entries = self._entries(txn, parent, after)
+            entries = self.core.entries(txn, parent, after)
             while batch := [(listed(value), key) for key, value in islice(entries, READDIR_BATCH)]:
                 children = txn.get_many("inode", [u64(ino) for (ino, _, _), _ in batch])
                 for ((ino, _, name), key), child in zip(batch, children, strict=True):
@@ -93,7 +97,7 @@ class NamespaceOps(MetaBase):
         type as mode bits, cookie), from the listing records alone (no inode is read)."""
         page = []
         with self.engine.snapshot() as txn:
-            for key, value in islice(self._entries(txn, parent, after), limit):
+            for key, value in islice(self.core.entries(txn, parent, after), limit):
                 ino, file_type, name = listed(value)
                 page.append((name, ino, file_type, from_u64(key[8:])))
         return page
@@ -111,7 +115,7 @@ class NamespaceOps(MetaBase):
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         with self.engine.snapshot() as txn:
-            self._get(txn, ino)
+            self.core.get(txn, ino)
             value = txn.get("xattr", u64(ino) + name)
         if value is None:
             raise fail(errno.ENODATA)
@@ -119,13 +123,13 @@ class NamespaceOps(MetaBase):
 
     def listxattr(self, ino: int) -> list[bytes]:
         with self.engine.snapshot() as txn:
-            self._get(txn, ino)
-            return self._suffixes(txn, "xattr", u64(ino))
+            self.core.get(txn, ino)
+            return self.core.suffixes(txn, "xattr", u64(ino))
 
     # -- namespace changes ---------------------------------------------------------------
 
     def _dir(self, txn: Txn, ino: int) -> Inode:
-        inode = self._get(txn, ino)
+        inode = self.core.get(txn, ino)
         if not inode.is_dir:
             raise fail(errno.ENOTDIR)
         return inode
@@ -163,7 +167,7 @@ class NamespaceOps(MetaBase):
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
         now = time.time_ns()
-        ino, cookie = self._fresh_ids(2)  # the inode number and the entry's cookie
+        ino, cookie = self.core.fresh_ids(2)  # the inode number and the entry's cookie
 
         def change(txn: Txn) -> Inode:
             parent_inode = self._dir(txn, parent)
@@ -179,30 +183,30 @@ class NamespaceOps(MetaBase):
             size = len(target) if target else 0
             inode = Inode(ino, full_mode, 2 if is_dir else 1, uid, owner_gid, rdev, size, 0, now,
                           now, now, parent, 0, 0, name)
-            self._put(txn, inode)
+            self.core.put(txn, inode)
             if target:
                 txn.put("symlink", u64(ino), target)
-            self._index_use(txn, inode, None, now)
-            self._count_model(txn, inode, name, 1, 0)
-            self._link(txn, parent, name, inode, cookie)
-            self._put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
+            self.core.index_use(txn, inode, None, now)
+            self.core.count_model(txn, inode, name, 1, 0)
+            self.core.link(txn, parent, name, inode, cookie)
+            self.core.put(txn, parent_inode._replace(nlink=parent_inode.nlink + is_dir,
                                                  mtime_ns=now, ctime_ns=now))
             if is_dir:
                 txn.known_empty("dentry", u64(ino))
             else:
                 txn.add("counters", b"files", 1)
             return inode
-        return self._change(change)
+        return self.core.change(change)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         """A further name for a non-directory (a hard link)."""
         check_name(new_name)
         self._check_room()
         now = time.time_ns()
-        (cookie,) = self._fresh_ids(1)
+        (cookie,) = self.core.fresh_ids(1)
 
         def change(txn: Txn) -> Inode:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             if inode.is_dir:
                 raise fail(errno.EPERM)
             if inode.nlink >= LINK_MAX:
@@ -213,12 +217,12 @@ class NamespaceOps(MetaBase):
             linked = inode._replace(nlink=inode.nlink + 1, ctime_ns=now)
             if not has_links(inode):  # its only name joins `links`, beside the new one
                 txn.put("links", u64(ino) + u64(inode.parent) + inode.name, b"")
-            self._link(txn, new_parent, new_name, linked, cookie)
+            self.core.link(txn, new_parent, new_name, linked, cookie)
             inode = linked
-            self._put(txn, inode)
-            self._put(txn, parent_inode._replace(mtime_ns=now, ctime_ns=now))
+            self.core.put(txn, inode)
+            self.core.put(txn, parent_inode._replace(mtime_ns=now, ctime_ns=now))
             return inode
-        return self._change(change)
+        return self.core.change(change)
 
     def remove(self, parent: int, name: bytes, is_dir: bool) -> Removed:
         """unlink (is_dir False) or rmdir (True) of one name."""
@@ -237,34 +241,34 @@ class NamespaceOps(MetaBase):
             if is_dir:
                 if self._has_children(txn, inode.ino):
                     raise fail(errno.ENOTEMPTY)
-                self._unlink(txn, parent, name, inode)
-                self._drop_inode(txn, inode)
+                self.core.unlink(txn, parent, name, inode)
+                self.core.drop_inode(txn, inode)
                 after = inode._replace(nlink=0)
             else:
                 after = self._drop_name(txn, inode, parent, name, now)
-            self._put(txn, parent_inode._replace(nlink=parent_inode.nlink - inode.is_dir,
+            self.core.put(txn, parent_inode._replace(nlink=parent_inode.nlink - inode.is_dir,
                                                  mtime_ns=now, ctime_ns=now))
             return Removed(after, [(parent, name)])
-        return self._change(change)
+        return self.core.change(change)
 
     def _drop_name(self, txn: Txn, inode: Inode, parent: int, name: bytes,
                    now: int) -> Inode:
         """Remove one name of a non-directory; the inode goes with its last name."""
-        self._unlink(txn, parent, name, inode)
+        self.core.unlink(txn, parent, name, inode)
         if inode.nlink <= 1:
-            self._drop_inode(txn, inode)
+            self.core.drop_inode(txn, inode)
             return inode._replace(nlink=0)
         updated = inode._replace(nlink=inode.nlink - 1, ctime_ns=now)
-        remaining = self._names(txn, inode)  # (what `links` holds, less the name just gone)
+        remaining = self.core.names(txn, inode)  # (what `links` holds, less the name just gone)
         if not has_links(updated):  # its last name leaves `links`: the primary holds it
             for other_parent, other_name in remaining:
                 txn.discard("links", u64(inode.ino) + u64(other_parent) + other_name)
         if (parent, name) == (inode.parent, inode.name):  # another name becomes the primary
             new_parent, new_name = remaining[0]
-            self._count_model(txn, inode, name, -1, -inode.allocated)
-            self._count_model(txn, inode, new_name, 1, inode.allocated)
+            self.core.count_model(txn, inode, name, -1, -inode.allocated)
+            self.core.count_model(txn, inode, new_name, 1, inode.allocated)
             updated = updated._replace(parent=new_parent, name=new_name)
-        self._put(txn, updated)
+        self.core.put(txn, updated)
         return updated
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
@@ -277,7 +281,7 @@ class NamespaceOps(MetaBase):
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        reserved = self._fresh_ids(2)  # new entries: one, or two for an exchange
+        reserved = self.core.fresh_ids(2)  # new entries: one, or two for an exchange
 
         def change(txn: Txn) -> tuple[Inode, Removed | None]:
             cookies = iter(reserved)
@@ -299,7 +303,7 @@ class NamespaceOps(MetaBase):
                     raise fail(errno.EINVAL)
                 self._exchange(txn, (old_parent, old_name, moved),
                                (new_parent, new_name, target), now, cookies)
-                return self._get(txn, moved.ino), None
+                return self.core.get(txn, moved.ino), None
             replaced = None
             if target is not None:
                 if flags & RENAME_NOREPLACE:  # (also onto another name of the same file)
@@ -308,29 +312,29 @@ class NamespaceOps(MetaBase):
                     return moved, None
                 self._check_replaceable(txn, moved, target)
                 if target.is_dir:
-                    self._unlink(txn, new_parent, new_name, target)
-                    self._drop_inode(txn, target)
-                    self._adjust_parent(txn, new_parent, -1, now)
+                    self.core.unlink(txn, new_parent, new_name, target)
+                    self.core.drop_inode(txn, target)
+                    self.core.adjust_parent(txn, new_parent, -1, now)
                     replaced = Removed(target._replace(nlink=0), [(new_parent, new_name)])
                 else:
                     replaced = Removed(self._drop_name(txn, target, new_parent, new_name, now),
                                        [(new_parent, new_name)])
-                moved = self._get(txn, moved.ino)  # unchanged unless it was the target
+                moved = self.core.get(txn, moved.ino)  # unchanged unless it was the target
             moved = self._move_name(txn, moved, (old_parent, old_name),
                                     (new_parent, new_name), now, next(cookies))
             if new_parent == old_parent:  # (a store's rename: one read and write of it)
-                self._adjust_parent(txn, old_parent, 0, now)
+                self.core.adjust_parent(txn, old_parent, 0, now)
             else:
-                self._adjust_parent(txn, old_parent, -moved.is_dir, now)
-                self._adjust_parent(txn, new_parent, moved.is_dir, now)
+                self.core.adjust_parent(txn, old_parent, -moved.is_dir, now)
+                self.core.adjust_parent(txn, new_parent, moved.is_dir, now)
             return moved, replaced
-        return self._change(change)
+        return self.core.change(change)
 
     def _move_name(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
                    new: tuple[int, bytes], now: int, cookie: int) -> Inode:
         """Re-point one name of `inode` (stored) and return its updated record."""
-        self._unlink(txn, *old, inode)
-        self._link(txn, *new, inode, cookie)
+        self.core.unlink(txn, *old, inode)
+        self.core.link(txn, *new, inode, cookie)
         return self._renamed(txn, inode, old, new, now)
 
     def _renamed(self, txn: Txn, inode: Inode, old: tuple[int, bytes],
@@ -338,10 +342,10 @@ class NamespaceOps(MetaBase):
         """Store an inode whose name `old` is now `new`: its primary name and model follow."""
         updated = inode._replace(ctime_ns=now)
         if old == (inode.parent, inode.name):
-            self._count_model(txn, inode, old[1], -1, -inode.allocated)
-            self._count_model(txn, inode, new[1], 1, inode.allocated)
+            self.core.count_model(txn, inode, old[1], -1, -inode.allocated)
+            self.core.count_model(txn, inode, new[1], 1, inode.allocated)
             updated = updated._replace(parent=new[0], name=new[1])
-        self._put(txn, updated)
+        self.core.put(txn, updated)
         return updated
 
     def _check_replaceable(self, txn: Txn, moved: Inode, target: Inode) -> None:
@@ -358,21 +362,21 @@ class NamespaceOps(MetaBase):
         (second_parent, second_name, second_inode) = second
         if first_inode.ino == second_inode.ino:
             return
-        self._unlink(txn, first_parent, first_name, first_inode)
-        self._unlink(txn, second_parent, second_name, second_inode)
-        self._link(txn, first_parent, first_name, second_inode, next(cookies))
-        self._link(txn, second_parent, second_name, first_inode, next(cookies))
+        self.core.unlink(txn, first_parent, first_name, first_inode)
+        self.core.unlink(txn, second_parent, second_name, second_inode)
+        self.core.link(txn, first_parent, first_name, second_inode, next(cookies))
+        self.core.link(txn, second_parent, second_name, first_inode, next(cookies))
         self._renamed(txn, first_inode, (first_parent, first_name),
                       (second_parent, second_name), now)
         self._renamed(txn, second_inode, (second_parent, second_name),
                       (first_parent, first_name), now)
         if first_parent != second_parent and first_inode.is_dir != second_inode.is_dir:
             shift = first_inode.is_dir - second_inode.is_dir
-            self._adjust_parent(txn, first_parent, -shift, now)
-            self._adjust_parent(txn, second_parent, shift, now)
+            self.core.adjust_parent(txn, first_parent, -shift, now)
+            self.core.adjust_parent(txn, second_parent, shift, now)
         else:
             for parent in {first_parent, second_parent}:
-                self._adjust_parent(txn, parent, 0, now)
+                self.core.adjust_parent(txn, parent, 0, now)
 
     def _is_ancestor(self, txn: Txn, ancestor: int, ino: int) -> bool:
         while True:
@@ -380,7 +384,7 @@ class NamespaceOps(MetaBase):
                 return True
             if ino == ROOT_INO:
                 return False
-            ino = self._get(txn, ino).parent
+            ino = self.core.get(txn, ino).parent
 
     def set_attrs(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                   gid: int | None = None, atime_ns: int | None = None,
@@ -388,7 +392,7 @@ class NamespaceOps(MetaBase):
         """Change attributes; `clear_mode` bits are cleared from the stored mode (setuid and
         setgid on writes and chowns), inside the same transaction."""
         def change(txn: Txn) -> Inode:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             if clear_mode and not inode.mode & clear_mode and all(
                     value is None for value in (mode, uid, gid, atime_ns, mtime_ns)):
                 return inode  # a write that finds nothing to clear changes no attribute
@@ -404,11 +408,11 @@ class NamespaceOps(MetaBase):
                 gid=inode.gid if gid is None else gid,
                 atime_ns=inode.atime_ns if atime_ns is None else atime_ns,
                 mtime_ns=inode.mtime_ns if mtime_ns is None else mtime_ns)
-            self._put(txn, updated)
+            self.core.put(txn, updated)
             if updated.atime_ns != inode.atime_ns:
-                self._index_use(txn, inode, inode.atime_ns, updated.atime_ns)
+                self.core.index_use(txn, inode, inode.atime_ns, updated.atime_ns)
             return updated
-        return self._change(change)
+        return self.core.change(change)
 
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         if len(value) > XATTR_VALUE_MAX:
@@ -417,19 +421,19 @@ class NamespaceOps(MetaBase):
             raise fail(errno.ERANGE)
         self._check_room()
         def change(txn: Txn) -> None:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             txn.put("xattr", u64(ino) + name, value)
             if name == PIN_XATTR:
                 txn.put("pins", u64(ino), b"")
-            self._put(txn, inode._replace(ctime_ns=time.time_ns()))
-        self._change(change)
+            self.core.put(txn, inode._replace(ctime_ns=time.time_ns()))
+        self.core.change(change)
 
     def removexattr(self, ino: int, name: bytes) -> None:
         def change(txn: Txn) -> None:
-            inode = self._get(txn, ino)
+            inode = self.core.get(txn, ino)
             if not txn.delete("xattr", u64(ino) + name):
                 raise fail(errno.ENODATA)
             if name == PIN_XATTR:
                 txn.delete("pins", u64(ino))
-            self._put(txn, inode._replace(ctime_ns=time.time_ns()))
-        self._change(change)
+            self.core.put(txn, inode._replace(ctime_ns=time.time_ns()))
+        self.core.change(change)

@@ -4,15 +4,19 @@ and the boot a mount runs in."""
 from __future__ import annotations
 
 from kvfs.engines.interface import Txn
-from kvfs.meta.base import MetaBase
+from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import u64
 
 
-class PoolOps(MetaBase):
+class Pool:
     """Sessions and holds of the hosts that mount the volume."""
 
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+        self.engine = core.engine
+
     def register_session(self, session: bytes, record: bytes) -> None:
-        self._change(lambda txn: txn.put("sessions", session, record))
+        self.core.change(lambda txn: txn.put("sessions", session, record))
 
     def sessions(self) -> dict[bytes, bytes]:
         with self.engine.snapshot() as txn:
@@ -23,14 +27,14 @@ class PoolOps(MetaBase):
         def change(txn: Txn) -> bool:
             if not txn.delete("sessions", session):
                 return False
-            for blob in self._suffixes(txn, "holding", session):
+            for blob in self.core.suffixes(txn, "holding", session):
                 txn.discard("holding", session + blob)
                 txn.discard("held", blob + session)
             return True
-        return self._change(change)
+        return self.core.change(change)
 
     def hold(self, blob_id: int, session: bytes) -> None:
-        self._change(lambda txn: self._record_hold(txn, blob_id, session))
+        self.core.change(lambda txn: self.core.record_hold(txn, blob_id, session))
 
     def release(self, blob_id: int, session: bytes) -> None:
         self.release_many([blob_id], session)
@@ -40,12 +44,12 @@ class PoolOps(MetaBase):
             for blob_id in blob_ids:
                 txn.discard("held", u64(blob_id) + session)
                 txn.discard("holding", session + u64(blob_id))
-        self._change(change)
+        self.core.change(change)
 
     def holders(self, blob_id: int) -> list[bytes]:
         """Sessions that hold `blob_id` open."""
         with self.engine.snapshot() as txn:
-            return self._holders(txn, blob_id)
+            return self.core.holders(txn, blob_id)
 
     def swap_boot(self, boot: bytes) -> bytes | None:
         """Record the boot this mount runs in; returns the one recorded before."""
@@ -53,4 +57,4 @@ class PoolOps(MetaBase):
             before = txn.get("settings", b"boot")
             txn.put("settings", b"boot", boot)
             return None if before is None else bytes(before)
-        return self._change(change)
+        return self.core.change(change)

@@ -4,12 +4,16 @@ pins, the usage counters, the capacity and per-model usage."""
 from __future__ import annotations
 
 from kvfs.engines.interface import Txn
-from kvfs.meta.base import MetaBase
+from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
 
 
-class RecencyOps(MetaBase):
+class Recency:
     """Files by last use, pins, and the counters of the space they take."""
+
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+        self.engine = core.engine
 
     def record_uses(self, uses: dict[int, int]) -> None:
         """Record the last use (ns) of files, TOUCH_BATCH per transaction (each reads its
@@ -25,9 +29,9 @@ class RecencyOps(MetaBase):
                         continue
                     inode = Inode.unpack(ino, raw)
                     if used_ns > inode.atime_ns:
-                        self._put(txn, inode._replace(atime_ns=used_ns))
-                        self._index_use(txn, inode, inode.atime_ns, used_ns)
-            self._change(change)
+                        self.core.put(txn, inode._replace(atime_ns=used_ns))
+                        self.core.index_use(txn, inode, inode.atime_ns, used_ns)
+            self.core.change(change)
 
     def least_recent(self, limit: int, after: bytes = b"") -> list[tuple[bytes, Inode]]:
         """Up to `limit` files, least recently used first, each with its position; pass the
@@ -63,7 +67,7 @@ class RecencyOps(MetaBase):
     def set_capacity(self, capacity: int) -> None:
         def change(txn: Txn) -> None:
             txn.put("settings", b"capacity", u64(capacity))
-        self._change(change)
+        self.core.change(change)
 
     def models(self) -> dict[str, dict[str, int]]:
         """Per-model usage (models that have files or bytes)."""

@@ -34,13 +34,13 @@ def reap_doomed(meta: MetaStore, data: DataStore, candidates: Iterable[int] | No
                 ) -> int:
     """Delete the data files of doomed blobs, then their records: `candidates` (the blobs a
     host just freed), or every doomed blob. Returns how many went."""
-    doomed = list(candidates) if candidates is not None else meta.doomed()
+    doomed = list(candidates) if candidates is not None else meta.content.doomed()
     if meta.engine.shared:
         doomed = [blob_id for blob_id in doomed
-                  if not meta.holders(blob_id) and not data.staged_anywhere(blob_id)]
+                  if not meta.pool.holders(blob_id) and not data.staged_anywhere(blob_id)]
     for blob_id in doomed:
         data.remove(blob_id)
-    meta.reaped(doomed)
+    meta.content.reaped(doomed)
     return len(doomed)
 
 
@@ -70,13 +70,13 @@ def reap_session(meta: MetaStore, data: DataStore, volume: Volume, session: byte
             log.warning("session %s: %d metadata changes it had answered ahead of Redis "
                         "applied from its journal, %d not (%s)", session.hex(), recovered,
                         unrecovered, "stale" if same_boot else "written before a reboot")
-    if not meta.end_session(session):
+    if not meta.pool.end_session(session):
         return None
-    published, discarded = (data.recover(meta.is_committed_blob, directory)
+    published, discarded = (data.recover(meta.content.is_committed_blob, directory)
                             if directory.is_dir() else (0, 0))
-    pending = meta.pending(session)
+    pending = meta.content.pending(session)
     if pending and not same_boot:
-        meta.drop_files({ino for _, ino in pending})
+        meta.content.drop_files({ino for _, ino in pending})
     try:
         directory.rmdir()
     except FileNotFoundError:
@@ -100,17 +100,17 @@ def recover(meta: MetaStore, data: DataStore, volume: Volume) -> list[int]:
     (every session of a shared pool: all its hosts are gone), unlinks. Touches no committed
     data, except files the kernel wrote whose sums were still to be taken when the machine
     went down. Returns the blobs whose sums are still to be taken (same boot)."""
-    published, discarded = data.recover(meta.is_committed_blob)
+    published, discarded = data.recover(meta.content.is_committed_blob)
     to_hash: list[int] = []
-    for session, raw in meta.sessions().items():
+    for session, raw in meta.pool.sessions().items():
         reaped = reap_session(meta, data, volume, session, json.loads(raw))
         if reaped is not None:
             to_hash += reaped.to_hash
-    pending = meta.pending()
+    pending = meta.content.pending()
     this_boot = boot_id().encode()
-    rebooted = meta.swap_boot(this_boot) != this_boot
+    rebooted = meta.pool.swap_boot(this_boot) != this_boot
     if pending and rebooted:
-        meta.drop_files({ino for _, ino in pending})
+        meta.content.drop_files({ino for _, ino in pending})
         log.warning("recovery: %d files written just before a reboot dropped (their "
                     "checksums were not taken yet)", len(pending))
     unlinks = reap_doomed(meta, data)

@@ -130,7 +130,7 @@ class Session:
             self._record["engine"] = meta.engine.id.hex()
         if self.shared:
             meta.engine.beat(self.id, ttl)
-            meta.register_session(self.id, json.dumps(self._record).encode())
+            meta.pool.register_session(self.id, json.dumps(self._record).encode())
             volume.record_mount(self.id, mountpoint)
 
     # -- holds ---------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class Session:
                 await self._releases_sent.wait()
             if not (self._held[blob_id] or blob_id in self._releasing):
                 self._release_failed.discard(blob_id)
-                await off_loop(self.meta.hold, blob_id, self.id)
+                await off_loop(self.meta.pool.hold, blob_id, self.id)
             self._releasing.discard(blob_id)
             self._add_hold(blob_id)
 
@@ -169,14 +169,14 @@ class Session:
         held (released with `release`)."""
         while True:
             in_flight, begun = frozenset(self._releasing_now), self._batches_begun
-            inode, blob = await off_loop(self.meta.content_held, ino, self.id)
+            inode, blob = await off_loop(self.meta.content.get_held, ino, self.id)
             if blob is None or not await self._held_by_change(blob.blob_id, in_flight, begun):
                 return inode, blob
             # Recorded again after a release that may have erased the first record: the
             # blob's data is safe only if the inode still names it (a blob is doomed only
             # once replaced or removed), else the new one is held instead.
             try:
-                inode, again = await off_loop(self.meta.content, ino)
+                inode, again = await off_loop(self.meta.content.get, ino)
             except BaseException:
                 await self.release(blob.blob_id)
                 raise
@@ -201,7 +201,7 @@ class Session:
                 while blob_id in self._releasing_now:
                     await self._releases_sent.wait()
                 self._release_failed.discard(blob_id)  # (the batch may have failed)
-                await off_loop(self.meta.hold, blob_id, self.id)
+                await off_loop(self.meta.pool.hold, blob_id, self.id)
         except BaseException:
             await self.release(blob_id)
             raise
@@ -263,7 +263,7 @@ class Session:
             self._recent_batches.append((self._batches_begun, frozenset(self._releasing_now)))
             failed = False
             try:
-                await off_loop(self.meta.release_many, sorted(self._releasing_now), self.id)
+                await off_loop(self.meta.pool.release_many, sorted(self._releasing_now), self.id)
             except Exception as error:
                 failed = True
                 self.stats.background_errors += 1
@@ -309,14 +309,14 @@ class Session:
         holds, as the loop saw them when the round began."""
         self.meta.engine.beat(self.id, self.ttl)
         self._beat_ok = time.monotonic()
-        sessions = self.meta.sessions()
+        sessions = self.meta.pool.sessions()
         lost = self.id not in sessions
         if lost:
             log.error("session %s was declared dead by another host (stalled for more than "
                       "%.0f s?): registering again", self.id.hex(), self.ttl)
             self._rejoin(held)
         self._record["staged"] = staged
-        self.meta.register_session(self.id, json.dumps(self._record).encode())
+        self.meta.pool.register_session(self.id, json.dumps(self._record).encode())
         others = sum(json.loads(raw).get("staged", 0)
                      for session, raw in sessions.items() if session != self.id)
         return UpkeepRound(others, lost, self._reap_dead(sessions))
@@ -327,7 +327,7 @@ class Session:
         their open files, kvfs/data/store.py)."""
         self.data.staging_dir.mkdir(parents=True, exist_ok=True)
         for blob_id in held:
-            self.meta.hold(blob_id, self.id)
+            self.meta.pool.hold(blob_id, self.id)
         self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
 
     def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[Leftovers]:
@@ -380,8 +380,8 @@ class Session:
             return
         if self._held:
             log.warning("%d blobs still held at unmount (released now)", len(self._held))
-        self.data.recover(self.meta.is_committed_blob)
+        self.data.recover(self.meta.content.is_committed_blob)
         self.data.staging_dir.rmdir()
-        self.meta.end_session(self.id)
+        self.meta.pool.end_session(self.id)
         self.volume.forget_mount(self.id)
         reap_doomed(self.meta, self.data)

@@ -42,7 +42,7 @@ VOLUME_RESERVE_SHARE = 0.05  # ... or this share of a small volume
 EVICTION_BATCH = 64
 TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
-USES_PER_CHANGE = 64  # uses recorded in one metadata change: ~1 ms on the loop
+USES_PER_CHANGE = 64  # uses recorded in one metadata change (on the embedded engine: on the loop)
 SLACK_SECONDS = 0.1
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
 # Room held for a writer whose writes kvfs does not see (passthrough) until its close: twice
@@ -90,7 +90,7 @@ class Space:
     # -- accounting ----------------------------------------------------------------------
 
     async def used(self) -> int:
-        return self._with_staged((await self.meta_call(self.meta.usage)).used)
+        return self._with_staged((await self.meta_call(self.meta.recency.usage)).used)
 
     def _with_staged(self, committed: int) -> int:
         return committed + self.staged + self.session.staged_elsewhere
@@ -129,7 +129,7 @@ class Space:
     def _usage_and_volume_room(self) -> tuple[Usage, int]:
         volume = os.statvfs(self.volume)
         reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
-        return self.meta.usage(), volume.f_bavail * volume.f_frsize - reserve
+        return self.meta.recency.usage(), volume.f_bavail * volume.f_frsize - reserve
 
     async def reserve(self, growth: int) -> None:
         """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
@@ -205,15 +205,16 @@ class Space:
 
     async def flush_uses(self) -> None:
         """Record the uses kept in memory. On the embedded engine the changes run on the
-        loop, USES_PER_CHANGE at a time with a checkpoint between: 5,000 uses at once (~15 µs
-        each) would hold every request back for 75 ms. One flush at a time: an eviction's
+        loop, USES_PER_CHANGE at a time with a checkpoint between: thousands of uses at once
+        would hold every request back meanwhile. One flush at a time: an eviction's
         flush returns once the uses taken before it are recorded too."""
         async with self._flushing:
             uses = list(self.take_uses().items())
             step = max(1, len(uses)) if self.meta_call.blocking else USES_PER_CHANGE
             for first in range(0, len(uses), step):
                 try:
-                    await self.meta_call(self.meta.record_uses, dict(uses[first:first + step]))
+                    await self.meta_call(self.meta.recency.record_uses,
+                                         dict(uses[first:first + step]))
                 except BaseException:  # kept for the next flush (a shared engine may be busy)
                     for ino, used_ns in uses[first:]:
                         self._uses[ino] = max(used_ns, self._uses.get(ino, 0))
@@ -236,7 +237,8 @@ class Space:
                     return False
                 open_now = self.open_inodes()
                 spared = [ino for ino in victims if ino not in open_now]  # opened meanwhile
-                dropped = await self.meta_call(self.meta.drop_files, spared, self.session.shared)
+                dropped = await self.meta_call(self.meta.content.drop_files, spared,
+                                               self.session.shared)
                 for removed in dropped:
                     self.stats.evictions += 1
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
@@ -249,11 +251,11 @@ class Space:
     def _choose(self, need: int, open_inodes: frozenset[int]) -> tuple[list[int], bool]:
         """Least-recently-used evictable files that free `need` bytes (worker thread), none
         of `open_inodes`; returns them and whether they free enough."""
-        pinned = self.meta.pinned()
+        pinned = self.meta.recency.pinned()
         victims: list[int] = []
         freed, position = 0, b""
         while freed < need:
-            batch = self.meta.least_recent(EVICTION_BATCH, position)
+            batch = self.meta.recency.least_recent(EVICTION_BATCH, position)
             if not batch:
                 return victims, False
             position = batch[-1][0]
@@ -268,17 +270,17 @@ class Space:
     def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
         if inode.ino in pinned:
             return False
-        if self.session.shared and self.meta.holders(inode.blob):
+        if self.session.shared and self.meta.pool.holders(inode.blob):
             return False  # open on another host
         parents = [inode.parent] if inode.nlink <= 1 else [
-            parent for parent, _ in self.meta.names(inode.ino)]
+            parent for parent, _ in self.meta.namespace.names(inode.ino)]
         for ino in parents:
             while True:
                 if ino in pinned:
                     return False
                 if ino == ROOT_INO:
                     break
-                ino = self.meta.get(ino).parent
+                ino = self.meta.namespace.get(ino).parent
         return True
 
     async def trim(self) -> None:

@@ -1,6 +1,6 @@
-"""What the concerns of the metadata store share: its state, and the helpers over `Txn` that
-several of them use (inode records, directory entries, dropping an inode and releasing its
-blob, usage and recency bookkeeping, id stocks)."""
+"""What the concerns of the metadata store share: the engine, this mount's session, the stock
+of inode ids, and the helpers over `Txn` that several of them use (inode records, directory
+entries, dropping an inode and releasing its blob, usage and recency bookkeeping)."""
 
 from __future__ import annotations
 
@@ -27,20 +27,21 @@ from kvfs.records import BlobInfo, fail
 T = TypeVar("T")
 
 
-class MetaBase:
-    """The state of a store (set by `MetaStore.__init__`) and the helpers over `Txn` its
-    concerns share: each mixin of `MetaStore` is a `MetaBase`."""
+class MetaCore:
+    """The state of a store and the helpers over `Txn` that its concerns share: each concern
+    of `MetaStore` holds the one core of its store."""
 
-    engine: Engine
-    session: bytes  # this mount's session in a shared pool (kvfs/pool/sessions.py)
-    _ids: range  # inode numbers and cookies in stock
-    _ids_lock: threading.Lock
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.session = b""  # this mount's session in a shared pool (kvfs/pool/sessions.py)
+        self._ids: range = range(0)  # inode numbers and cookies in stock
+        self._ids_lock = threading.Lock()
 
-    def _change(self, change: Callable[[Txn], T]) -> T:
+    def change(self, change: Callable[[Txn], T]) -> T:
         """Run `change` in one transaction of the engine; returns once it is durable."""
         return self.engine.change(change)
 
-    def _fresh_ids(self, count: int) -> range:
+    def fresh_ids(self, count: int) -> range:
         """Inode numbers or cookies for one change, taken (in the caller's thread, before the
         change, which may run more than once) from a stock that is itself taken from
         `next_ino` in batches: ids are never reused, whatever happens to the changes."""
@@ -53,16 +54,16 @@ class MetaBase:
             with self._ids_lock:  # (what is left of a batch another thread took goes unused)
                 self._ids = range(end - ID_BATCH, end)
 
-    def _get(self, txn: Txn, ino: int) -> Inode:
+    def get(self, txn: Txn, ino: int) -> Inode:
         raw = txn.get("inode", u64(ino))
         if raw is None:
             raise fail(errno.ENOENT)
         return Inode.unpack(ino, raw)
 
-    def _put(self, txn: Txn, inode: Inode) -> None:
+    def put(self, txn: Txn, inode: Inode) -> None:
         txn.put("inode", u64(inode.ino), inode.pack())
 
-    def _index_use(self, txn: Txn, inode: Inode, old_atime: int | None,
+    def index_use(self, txn: Txn, inode: Inode, old_atime: int | None,
                    new_atime: int | None) -> None:
         """Keep a file's place in the recency index in step with its atime."""
         if inode.is_dir:
@@ -72,7 +73,7 @@ class MetaBase:
         if new_atime is not None:
             txn.put("recency", u64(new_atime) + u64(inode.ino), b"")
 
-    def _count_model(self, txn: Txn, inode: Inode, name: bytes, files: int,
+    def count_model(self, txn: Txn, inode: Inode, name: bytes, files: int,
                      allocated: int) -> None:
         """Per-model usage: a file counts for the model its primary name says (if any)."""
         model = None if inode.is_dir else model_of(name)
@@ -83,7 +84,7 @@ class MetaBase:
         if allocated:
             txn.add("models", model.encode() + MODEL_BYTES, allocated)
 
-    def _link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int) -> None:
+    def link(self, txn: Txn, parent: int, name: bytes, inode: Inode, cookie_id: int) -> None:
         """The entry `name` in `parent` for `inode` as the change leaves it (its nlink counts
         this name)."""
         cookie = u64(cookie_id)
@@ -92,13 +93,13 @@ class MetaBase:
         if has_links(inode):
             txn.put("links", u64(inode.ino) + u64(parent) + name, b"")
 
-    def _entries(self, txn: Txn, parent: int, after: int = -1) -> Iterator[tuple[bytes, bytes]]:
+    def entries(self, txn: Txn, parent: int, after: int = -1) -> Iterator[tuple[bytes, bytes]]:
         """`dirlist` records of `parent` with a cookie > after, in cookie order."""
         prefix = u64(parent)
         return takewhile(lambda entry: entry[0][:8] == prefix,
                          txn.scan("dirlist", prefix + u64(after + 1)))
 
-    def _unlink(self, txn: Txn, parent: int, name: bytes, inode: Inode | int) -> None:
+    def unlink(self, txn: Txn, parent: int, name: bytes, inode: Inode | int) -> None:
         """Remove the entry `name` in `parent` of `inode` (as it was before the change; an
         inode number: its record is gone, and so goes any link record of the name)."""
         # The entry is read (a shared engine checks it at commit); its listing and link
@@ -110,7 +111,7 @@ class MetaBase:
             ino = inode if isinstance(inode, int) else inode.ino
             txn.discard("links", u64(ino) + u64(parent) + name)
 
-    def _suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
+    def suffixes(self, txn: Txn, family: str, prefix: bytes) -> list[bytes]:
         """The rest of every key of `family` that starts with `prefix`."""
         found = []
         for key, _ in txn.scan(family, prefix):
@@ -119,31 +120,31 @@ class MetaBase:
             found.append(bytes(key[len(prefix):]))
         return found
 
-    def _names(self, txn: Txn, inode: Inode) -> list[tuple[int, bytes]]:
+    def names(self, txn: Txn, inode: Inode) -> list[tuple[int, bytes]]:
         """Every (parent, name) of `inode`."""
         if not has_links(inode):
             return [(inode.parent, inode.name)]
         return [(from_u64(rest), rest[8:])
-                for rest in self._suffixes(txn, "links", u64(inode.ino))]
+                for rest in self.suffixes(txn, "links", u64(inode.ino))]
 
-    def _adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
-        inode = self._get(txn, ino)
-        self._put(txn, inode._replace(nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+    def adjust_parent(self, txn: Txn, ino: int, nlink_delta: int, now: int) -> None:
+        inode = self.get(txn, ino)
+        self.put(txn, inode._replace(nlink=inode.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
 
-    def _drop_inode(self, txn: Txn, inode: Inode) -> None:
+    def drop_inode(self, txn: Txn, inode: Inode) -> None:
         """Remove an unlinked inode's record, its xattrs, and doom its blob."""
         key = u64(inode.ino)
         for family in ("inode", "pins", "symlink"):
             txn.delete(family, key)
-        self._index_use(txn, inode, inode.atime_ns, None)
-        for name in self._suffixes(txn, "xattr", key):
+        self.index_use(txn, inode, inode.atime_ns, None)
+        for name in self.suffixes(txn, "xattr", key):
             txn.delete("xattr", key + name)
         if not inode.is_dir:
             txn.add("counters", b"files", -1)
-        self._count_model(txn, inode, inode.name, -1, -inode.allocated)
-        self._release_blob(txn, inode.blob)
+        self.count_model(txn, inode, inode.name, -1, -inode.allocated)
+        self.release_blob(txn, inode.blob)
 
-    def _release_blob(self, txn: Txn, blob_id: int) -> None:
+    def release_blob(self, txn: Txn, blob_id: int) -> None:
         if not blob_id:
             return
         raw = txn.pop("blob", u64(blob_id))
@@ -152,9 +153,9 @@ class MetaBase:
         txn.delete("pending", u64(blob_id))
         txn.put("doomed", u64(blob_id), b"")
 
-    def _record_hold(self, txn: Txn, blob_id: int, session: bytes) -> None:
+    def record_hold(self, txn: Txn, blob_id: int, session: bytes) -> None:
         txn.put("held", u64(blob_id) + session, b"")
         txn.put("holding", session + u64(blob_id), b"")
 
-    def _holders(self, txn: Txn, blob_id: int) -> list[bytes]:
-        return self._suffixes(txn, "held", u64(blob_id)) if blob_id else []
+    def holders(self, txn: Txn, blob_id: int) -> list[bytes]:
+        return self.suffixes(txn, "held", u64(blob_id)) if blob_id else []
