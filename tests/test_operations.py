@@ -80,17 +80,38 @@ def test_stats_file_counts_exactly(make_mount) -> None:
 
 
 def test_stats_file_is_read_only(kvfs) -> None:
-    stats_file = kvfs.mountpoint / ".kvfs" / "stats"
+    control = kvfs.mountpoint / ".kvfs"
+    stats_file = control / "stats"
+    (kvfs.mountpoint / "plain").write_bytes(b"p")
     for attempt in (lambda: stats_file.write_text("x"), stats_file.unlink,
-                    lambda: (kvfs.mountpoint / ".kvfs" / "new").write_text("x"),
+                    lambda: (control / "new").write_text("x"),
                     lambda: os.rename(stats_file, kvfs.mountpoint / "moved"),
-                    lambda: os.rmdir(kvfs.mountpoint / ".kvfs")):
+                    lambda: os.rename(kvfs.mountpoint / "plain", control / "in"),
+                    lambda: os.rmdir(control), lambda: os.mkdir(control / "d"),
+                    lambda: os.symlink("stats", control / "s"),
+                    lambda: os.link(stats_file, kvfs.mountpoint / "linked"),
+                    lambda: os.link(kvfs.mountpoint / "plain", control / "linked"),
+                    lambda: os.chmod(stats_file, 0o666), lambda: os.truncate(stats_file, 0),
+                    lambda: os.setxattr(stats_file, "user.x", b"1")):
         with pytest.raises(OSError) as refused:
             attempt()
         assert refused.value.errno in (errno.EACCES, errno.EPERM)
+    with pytest.raises(OSError) as refused:
+        os.setxattr(stats_file, "trusted.x", b"1")
+    assert refused.value.errno in (errno.ENOTSUP, errno.EPERM)
+    with pytest.raises(OSError) as refused:
+        os.getxattr(stats_file, "user.x")
+    assert refused.value.errno == errno.ENODATA
+    assert os.listxattr(stats_file) == []
+    with pytest.raises(OSError) as refused:
+        os.readlink(stats_file)
+    assert refused.value.errno == errno.EINVAL
+    with open(stats_file, "rb") as reader:
+        assert json.loads(reader.read())["files"] == 1
     assert os.listdir(kvfs.mountpoint / ".kvfs") == ["stats"]
     assert ".kvfs" not in os.listdir(kvfs.mountpoint), "reached by name, not listed"
-    assert stats(kvfs.mountpoint)["files"] == 0
+    assert stats(kvfs.mountpoint)["files"] == 1
+    assert sorted(os.listdir(kvfs.mountpoint)) == ["plain"]
 
 
 def test_kvfs_stat_json_table_and_errors(kvfs) -> None:

@@ -1,6 +1,11 @@
 """The read-only control directory `MOUNTPOINT/.kvfs/`: live state for tools and operators.
 
 `.kvfs` is not listed in the root, only reached by name.
+Requests reach the control files through one table, `ROUTES`: kvfs/fuse/operations.py wraps
+each handler it names, once, when the class is made. A request is routed by its inode or its
+handle to the method of `ControlFiles` of the same name, and one that would make, remove or
+rename a name under `.kvfs` (or `.kvfs` itself) is refused with EPERM. What stays in the
+handlers is where `.kvfs` shows in the namespace: lookups, attributes and listings.
 `.kvfs/stats` is one JSON object (see `snapshot`), generated when the file is opened, so that
 every reader sees one consistent state. The names use reserved inode numbers far above any
 the metadata store hands out, and nothing under `.kvfs` can be written, created or removed.
@@ -14,7 +19,10 @@ import json
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from pyfuse3 import FileInfo
 
 from kvfs.data.verify import VerifyMode
 from kvfs.engines.interface import LoopChanges
@@ -31,7 +39,9 @@ CONTROL_DIR = b".kvfs"
 CONTROL_DIR_INO = (1 << 63) - 2
 STATS_NAME = b"stats"
 STATS_INO = (1 << 63) - 1
+CONTROL_INOS = frozenset({CONTROL_DIR_INO, STATS_INO})  # never given other node ids
 FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
+USER_XATTR = b"user."
 
 
 async def snapshot(meta: MetaStore, space: Space, stats: Stats,
@@ -81,7 +91,7 @@ class ControlFiles:
         return json.dumps(state, indent=2).encode() + b"\n"
 
     def owns(self, ino: int) -> bool:
-        return ino in (CONTROL_DIR_INO, STATS_INO)
+        return ino in CONTROL_INOS
 
     def owns_handle(self, fh: int) -> bool:
         return fh in self._contents
@@ -114,17 +124,100 @@ class ControlFiles:
             return [(STATS_NAME, self.attributes(STATS_INO))]
         return []
 
-    async def open(self, ino: int, flags: int) -> int:
+    # -- requests routed here (ROUTES), with the arguments of the FUSE handlers --------------
+
+    async def open(self, ino: int, flags: int, ctx: object) -> FileInfo:
         if ino == CONTROL_DIR_INO:
             raise fail(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise fail(errno.EACCES)
         fh = next(self._next_fh)
         self._contents[fh] = await self._files[ino]()
-        return fh
+        return FileInfo(fh=fh, direct_io=True)
 
-    def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
         return self._contents[fh][offset: offset + size]
 
-    def release(self, fh: int) -> None:
+    async def release(self, fh: int) -> None:
         del self._contents[fh]
+
+    async def flush(self, fh: int) -> None:
+        pass
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        pass
+
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        raise fail(errno.EBADF)
+
+    async def setattr(self, ino: int, *_: object) -> None:
+        raise fail(errno.EPERM)
+
+    async def link(self, ino: int, *_: object) -> None:
+        raise fail(errno.EPERM)
+
+    async def readlink(self, ino: int, ctx: object) -> bytes:
+        raise fail(errno.EINVAL)
+
+    async def getxattr(self, ino: int, name: bytes, ctx: object) -> bytes:
+        raise fail(errno.ENODATA)
+
+    async def listxattr(self, ino: int, ctx: object) -> list[bytes]:
+        return []
+
+    async def setxattr(self, ino: int, name: bytes, *_: object) -> None:
+        raise fail(errno.EPERM if name.startswith(USER_XATTR) else errno.ENOTSUP)
+
+    async def removexattr(self, ino: int, name: bytes, ctx: object) -> None:
+        raise fail(errno.EPERM if name.startswith(USER_XATTR) else errno.ENOTSUP)
+
+
+# A route: given the control files and a request's arguments, the control files' answer to
+# await, or None where the request is not theirs.
+Route = Callable[[ControlFiles, tuple], Coroutine[Any, Any, Any] | None]
+
+
+def by_inode(request: str) -> Route:
+    def route(control: ControlFiles, args: tuple) -> Coroutine[Any, Any, Any] | None:
+        return getattr(control, request)(*args) if args[0] in CONTROL_INOS else None
+    return route
+
+
+def by_handle(request: str) -> Route:
+    def route(control: ControlFiles, args: tuple) -> Coroutine[Any, Any, Any] | None:
+        return getattr(control, request)(*args) if control.owns_handle(args[0]) else None
+    return route
+
+
+async def _refused() -> None:
+    raise fail(errno.EPERM)
+
+
+def by_names(*positions: int) -> Route:
+    """Refuse a request whose (parent, name) arguments at `positions` are reserved."""
+    def route(control: ControlFiles, args: tuple) -> Coroutine[Any, Any, Any] | None:
+        if any(control.is_reserved(args[at], args[at + 1]) for at in positions):
+            return _refused()
+        return None
+    return route
+
+
+def either(*routes: Route) -> Route:
+    def route(control: ControlFiles, args: tuple) -> Coroutine[Any, Any, Any] | None:
+        for each in routes:
+            if (answer := each(control, args)) is not None:
+                return answer
+        return None
+    return route
+
+
+ROUTES: dict[str, Route] = {
+    **{request: by_inode(request) for request in (
+        "open", "setattr", "readlink", "getxattr", "listxattr", "setxattr", "removexattr")},
+    **{request: by_handle(request) for request in (
+        "read", "flush", "fsync", "fallocate", "release")},
+    **{request: by_names(0) for request in ("mknod", "mkdir", "unlink", "rmdir", "symlink",
+                                             "create")},
+    "rename": by_names(0, 2),
+    "link": either(by_names(1), by_inode("link")),
+}

@@ -26,13 +26,13 @@ from kvfs.caller import Caller
 from kvfs.data.store import BLOCK_SIZE
 from kvfs.files import FileTable
 from kvfs.files.passthrough import Passthrough
-from kvfs.fuse.control import ControlFiles
+from kvfs.fuse.control import ROUTES, ControlFiles, Route
 from kvfs.fuse.notifier import KernelNotifier
 from kvfs.meta import NAME_MAX, Inode, MetaStore
 from kvfs.meta.calls import MetaCalls, off_loop
 from kvfs.observe.stats import Stats
 from kvfs.pool.space import Space
-from kvfs.records import FsError, fail
+from kvfs.records import FsError
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +99,17 @@ def fuse_error(ops: KvfsOperations, request: str, args: tuple, error: Exception)
     return FUSEError(errno.EIO)
 
 
-def guarded(method: Callable) -> Callable:
+def guarded(method: Callable, route: Route | None) -> Callable:
+    """`method`, its exceptions answered as errnos and its time recorded; requests that
+    `route` gives to the control files answered by them instead."""
     request = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: KvfsOperations, *args: Any) -> Any:
         started = time.perf_counter_ns()
         try:
+            if route is not None and (control := route(self.control, args)) is not None:
+                return await control
             return await method(self, *args)
         except Exception as error:
             raise fuse_error(self, request, args, error) from None
@@ -118,7 +122,7 @@ def guarded(method: Callable) -> Callable:
 def guard_handlers(cls: type) -> type:
     for name, member in list(vars(cls).items()):
         if inspect.iscoroutinefunction(member) and not name.startswith("_"):
-            setattr(cls, name, guarded(member))
+            setattr(cls, name, guarded(member, ROUTES.get(name)))
     return cls
 
 
@@ -241,10 +245,6 @@ class KvfsOperations(pyfuse3.Operations):
             self.kernel.looked_up(entry.nodeid)
         return entry
 
-    def _refuse_control(self, *places: tuple[int, bytes]) -> None:
-        if any(self.control.is_reserved(parent, name) for parent, name in places):
-            raise FUSEError(errno.EPERM)
-
     # -- namespace -----------------------------------------------------------------------
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext
@@ -303,8 +303,6 @@ class KvfsOperations(pyfuse3.Operations):
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
         nodeid, inode = inode, self.kernel.ino(inode)
-        if self.control.owns(inode):
-            raise FUSEError(errno.EPERM)
         if fields.update_size:
             handle = self.files.handle(fh) if fh is not None else None
             if handle is not None and handle.writable:
@@ -338,30 +336,25 @@ class KvfsOperations(pyfuse3.Operations):
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
         """Regular files, fifos, sockets and device nodes: the kernel does their I/O."""
-        self._refuse_control((parent_inode, name))
         inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name, mode,
                                             ctx.uid, ctx.gid, rdev=rdev)
         return entry_attributes(inode, self.caching.entry)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestContext
                     ) -> EntryAttributes:
-        self._refuse_control((parent_inode, name))
         inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         return entry_attributes(inode, self.caching.entry)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
-        self._refuse_control((parent_inode, name))
         self.files.retire(await self.meta_call.change(self.meta.namespace.remove, parent_inode,
                                                       name, is_dir=False))
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
-        self._refuse_control((parent_inode, name))
         await self.meta_call.change(self.meta.namespace.remove, parent_inode, name, is_dir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
-        self._refuse_control((parent_inode_old, name_old), (parent_inode_new, name_new))
         _, replaced = await self.meta_call.change(self.meta.namespace.rename, parent_inode_old,
                                                   name_old, parent_inode_new, name_new, flags)
         if replaced is not None:
@@ -369,23 +362,17 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
-        self._refuse_control((parent_inode, name))
         inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFLNK | 0o777, ctx.uid, ctx.gid, target=target)
         return entry_attributes(inode, self.caching.entry)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: RequestContext) -> EntryAttributes:
-        self._refuse_control((new_parent_inode, new_name))
         inode = self.kernel.ino(inode)
-        if self.control.owns(inode):
-            raise FUSEError(errno.EPERM)
         linked = await self.meta_call(self.meta.namespace.link, inode, new_parent_inode, new_name)
         return self._told(self._entry(linked))
 
     async def readlink(self, inode: int, ctx: RequestContext) -> bytes:
-        if self.control.owns(inode):
-            raise FUSEError(errno.EINVAL)
         return await self.meta_call(self.meta.namespace.readlink, inode)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -452,7 +439,6 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        self._refuse_control((parent_inode, name))
         inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
                                             stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
         opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
@@ -460,8 +446,6 @@ class KvfsOperations(pyfuse3.Operations):
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
-        if self.control.owns(inode):
-            return FileInfo(fh=await self.control.open(inode, flags), direct_io=True)
         opened = await self.files.open(self.kernel.ino(inode), flags, caller(ctx),
                                        nodeid=inode)
         return opened.file_info()
@@ -470,8 +454,6 @@ class KvfsOperations(pyfuse3.Operations):
     # bytes, and copying every read into bytes would cost a copy per request.
     async def read(  # type: ignore[override]
             self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
-        if self.control.owns_handle(fh):
-            return self.control.read(fh, off, size)
         return await self.files.read(fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -479,13 +461,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
         """(kvfs's pyfuse3 patch registers it; stock pyfuse3 answers EOPNOTSUPP)"""
-        if self.control.owns_handle(fh):
-            raise fail(errno.EBADF)
         await self.files.fallocate(fh, mode, offset, length)
 
     async def flush(self, fh: int) -> None:
-        if self.control.owns_handle(fh):
-            return
         # The commit changes what the kernel may hold of the file's size, times and blocks,
         # and it holds none of them past a write: each write (passthrough, or sent here)
         # marks them stale in its cache, and while a writer is open kvfs tells them only
@@ -494,17 +472,12 @@ class KvfsOperations(pyfuse3.Operations):
         await self.files.flush(self.files.handle(fh))
 
     async def fsync(self, fh: int, datasync: bool) -> None:
-        if self.control.owns_handle(fh):
-            return
         handle = self.files.handle(fh)
         if handle.staged is not None:
             await off_loop(os.fdatasync, handle.staged.fd)
 
     async def release(self, fh: int) -> None:
-        if self.control.owns_handle(fh):
-            self.control.release(fh)
-        else:
-            await self.files.release(fh)
+        await self.files.release(fh)
 
     # -- extended attributes -------------------------------------------------------------
 
@@ -513,26 +486,20 @@ class KvfsOperations(pyfuse3.Operations):
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
         inode = self.kernel.ino(inode)
-        if self.control.owns(inode):
-            raise FUSEError(errno.EPERM)
         await self.meta_call(self.meta.namespace.setxattr, inode, name, value)
 
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
         inode = self.kernel.ino(inode)
-        if not name.startswith(USER_XATTR) or self.control.owns(inode):
+        if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENODATA)
         return await self.meta_call(self.meta.namespace.getxattr, inode, name)
 
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
         inode = self.kernel.ino(inode)
-        if self.control.owns(inode):
-            return []
         return await self.meta_call(self.meta.namespace.listxattr, inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestContext) -> None:
         if not name.startswith(USER_XATTR):
             raise FUSEError(errno.ENOTSUP)
         inode = self.kernel.ino(inode)
-        if self.control.owns(inode):
-            raise FUSEError(errno.EPERM)
         await self.meta_call(self.meta.namespace.removexattr, inode, name)
