@@ -19,21 +19,24 @@ import pyfuse3
 import trio
 
 from kvfs.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockCache
-from kvfs.data.verify import VerifyMode
+from kvfs.data.verify import LateHasher, Verifier, VerifyMode
 from kvfs.data.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 from kvfs.data.volume_helper import VolumeHelper
 from kvfs.engines.write_behind import WritesBehind
-from kvfs.files import FileTable
+from kvfs.files import Contents, FileState, FileTable, Retirer, Writer
 from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.files.passthrough import Passthrough
 from kvfs.files.prefetch import DEFAULT_BUDGET as DEFAULT_PREFETCH_BUDGET
-from kvfs.files.spares import SpareMode
+from kvfs.files.prefetch import Prefetcher
+from kvfs.files.spares import SpareFiles, SpareMode
 from kvfs.fuse import tuning
 from kvfs.fuse.control import snapshot
 from kvfs.fuse.mounts import find_mount
 from kvfs.fuse.notifier import KernelNotifier
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.meta import DEFAULT_MAP_SIZE, Removed
+from kvfs.meta.calls import MetaCalls
+from kvfs.observe.loads import LoadMeter
 from kvfs.observe.metrics import serve_metrics
 from kvfs.observe.stats import Stats
 from kvfs.pool.reaper import recover
@@ -139,22 +142,44 @@ class Daemon:
             else "" if config.passthrough else "--passthrough off",
             o_direct=config.odirect == "kernel")
         self.helper = start_volume_helper()
-        self.files = FileTable(self.meta, self.data, self.cache, self.stats, self.space,
-                               self.passthrough, self.session, config.verify,
-                               config.prefetch_bytes, self.helper,
-                               config.spares is SpareMode.ON, self.kernel,
-                               on_attributes_changed=self.notifier.attributes_changed,
-                               on_removed=self.notifier.names_removed)
+        self.files = self._file_table(config)
         self.session.on_lost = self.files.session_lost
-        if config.write_behind_ms and isinstance(self.meta.engine, WritesBehind):
-            self.files.write_behind = self.meta.engine.write_behind(
-                config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
                                          self.notifier, self.passthrough)
+
+    def _file_table(self, config: MountConfig) -> FileTable:
+        """The open-file table and its parts (kvfs/files/__init__.py), each given the parts
+        it calls."""
+        write_behind = None
+        if config.write_behind_ms and isinstance(self.meta.engine, WritesBehind):
+            write_behind = self.meta.engine.write_behind(
+                config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)
+        meta_call = MetaCalls(self.meta.engine)
+
+        async def take_blob_ids(count: int) -> range:  # (fresh ones, to name staged files)
+            return await meta_call(self.meta.content.allocate_blob_ids, count)
+
+        verifier = Verifier(self.data, self.stats, config.verify)
+        hasher = LateHasher(self.data, self.meta, verifier, self.stats)
+        spares = SpareFiles(self.data, self.helper if config.spares is SpareMode.ON else None,
+                            self.stats, take_blob_ids)
+        state = FileState(self.meta)
+        retirer = Retirer(state, self.meta, self.data, self.cache, verifier, self.session,
+                          self.kernel, self.stats, on_removed=self.notifier.names_removed)
+        writer = Writer(state, retirer, self.meta, self.data, self.space, self.session,
+                        self.stats, verifier, hasher, spares, self.helper, write_behind,
+                        take_blob_ids, on_attributes_changed=self.notifier.attributes_changed)
+        content = Contents(self.meta, self.data, self.session, verifier, hasher, retirer)
+        prefetcher = Prefetcher(self.meta, self.data, verifier, self.session, self.stats,
+                                config.prefetch_bytes)
+        return FileTable(state, writer, retirer, content, meta=self.meta, data=self.data,
+                         cache=self.cache, space=self.space, session=self.session,
+                         stats=self.stats, passthrough=self.passthrough, kernel=self.kernel,
+                         verifier=verifier, prefetcher=prefetcher, loads=LoadMeter())
 
     def _staged(self) -> int:
         return self.space.staged

@@ -1,10 +1,18 @@
 """Open files: snapshot readers, staged writers, commit on close, page-cache policy, and the
-retirement of files that lost their last name. In layers, each calling only those below it:
+retirement of files that lost their last name. One object per part, each holding the parts
+it calls, passed in by the composition root (kvfs/daemon.py); none holds one above it:
 
-    state.py     handles, what is open per inode, the attributes a writer sees (FileState)
-    retiring.py  files that lost their last name; the reaper of their data files
-    writing.py   staged writes, commit and publish on flush
-    __init__.py  FileTable: open (page-cache policy, passthrough backing files), read, release
+    __init__.py  FileTable: open, read, release; the operations the FUSE layer calls, which
+                 it hands to the writer, the retirer or the state. Holds the four below.
+    writing.py   Writer: staged writes, commit and publish on flush. Holds the state and
+                 the retirer.
+    content.py   Contents: what an open starts from: the inode and blob read, held,
+                 opened, verified whole. Holds the retirer.
+    retiring.py  Retirer: files that lost their last name; the reaper of their data files.
+                 Holds the state.
+    state.py     FileState: handles, what is open per inode, the attributes a writer sees.
+    policy.py    serve_open: how an open is served, decided from facts the table gathers
+                 (no I/O, no state); FileTable does the mechanics of each answer.
 
 Close-to-open isolation: a read handle reads the blob the inode pointed at when it was opened;
 a write handle fills a private staged blob that its flush (close) commits in one metadata
@@ -48,21 +56,33 @@ from typing import NoReturn
 import trio
 
 from kvfs.caller import Caller
-from kvfs.data.store import ChecksumError, block_sums, check_blob_size, check_file_size
-from kvfs.data.verify import VerifyMode
-from kvfs.files.policy import shares_kernel_inode
+from kvfs.data.cache import BlockCache
+from kvfs.data.store import ChecksumError, DataStore, check_file_size
+from kvfs.data.verify import LateHasher, Verifier, VerifyMode
+from kvfs.engines.write_behind import WriteBehind
+from kvfs.files.content import Contents
+from kvfs.files.kernel_inodes import KernelInodes
+from kvfs.files.passthrough import Passthrough
+from kvfs.files.policy import OpenFacts, Serving, serve_open
+from kvfs.files.prefetch import Prefetcher
+from kvfs.files.retiring import Retirer
+from kvfs.files.spares import SpareFiles
 from kvfs.files.state import (
     Backing,
+    FileState,
     Handle,
     Opened,
     OpenInode,
     privileges_to_clear,
 )
-from kvfs.files.writing import WritingOps
-from kvfs.meta import Inode
-from kvfs.meta.calls import off_loop
-from kvfs.observe.loads import OTHER
+from kvfs.files.writing import Writer
+from kvfs.meta import Inode, MetaStore, Removed
+from kvfs.meta.calls import MetaCalls
+from kvfs.observe.loads import OTHER, LoadMeter
 from kvfs.observe.models import model_of
+from kvfs.observe.stats import Stats
+from kvfs.pool.sessions import Session
+from kvfs.pool.space import Space
 from kvfs.records import BlobInfo, FsError, fail
 
 log = logging.getLogger(__name__)
@@ -71,10 +91,52 @@ RETRY_SECONDS = 1.0  # an open refused (ESTALE) this recently by the same thread
 RETRY_WAIT_SECONDS = 2.0  # how long a retry waits for its kernel inode before a refusal
 REFUSALS_KEPT = 1024
 
-__all__ = ["FileTable", "Handle", "Opened"]
+__all__ = ["Contents", "FileState", "FileTable", "Handle", "Opened", "Retirer", "Writer"]
 
 
-class FileTable(WritingOps):
+class FileTable:
+    """The open files of a mount, as the FUSE layer sees them: opens (how each is served:
+    `serve_open`; passthrough backing files), reads and releases, and the operations it hands
+    on to the state, the writer and the retirer it holds. Holds too what opening and reading
+    use: the contents (what an open starts from), the stores and read cache, the space
+    manager (uses, kernel writers' room), this host's session (holds), passthrough, the
+    kernel's inodes, the verifier (its mode), the prefetcher and the load meter."""
+
+    def __init__(self, state: FileState, writer: Writer, retirer: Retirer,
+                 content: Contents, *, meta: MetaStore, data: DataStore, cache: BlockCache,
+                 space: Space, session: Session, stats: Stats, passthrough: Passthrough,
+                 kernel: KernelInodes, verifier: Verifier, prefetcher: Prefetcher,
+                 loads: LoadMeter) -> None:
+        self.state = state
+        self.writer = writer
+        self.retirer = retirer
+        self.content = content
+        self.meta = meta
+        self.meta_call = MetaCalls(meta.engine)
+        self.data = data
+        self.cache = cache
+        self.space = space
+        self.session = session
+        self.stats = stats
+        self.passthrough = passthrough
+        self.kernel = kernel  # which of the kernel's inodes each open is on
+        self.verifier = verifier
+        self.prefetcher = prefetcher
+        self.loads = loads
+        self._refused: dict[tuple[int, int], float] = {}  # (thread, ino) -> when (ESTALE)
+
+    @property
+    def hasher(self) -> LateHasher:
+        return self.content.hasher
+
+    @property
+    def spares(self) -> SpareFiles:
+        return self.writer.spares
+
+    @property
+    def write_behind(self) -> WriteBehind | None:
+        return self.writer.write_behind
+
     async def open(self, ino: int, flags: int, caller: Caller, made: Inode | None = None,
                    nodeid: int | None = None) -> Opened:
         """Open inode `ino` on the kernel inode `nodeid` (None: an open of kvfs's own, which
@@ -87,36 +149,23 @@ class FileTable(WritingOps):
     async def _open_file(self, ino: int, flags: int, caller: Caller, made: Inode | None,
                          nodeid: int | None) -> Opened:
         writable = flags & os.O_ACCMODE != os.O_RDONLY
-        sums = not self._sums_may_wait(writable, flags)
-        held = False
-        if made is not None:  # empty: its writer starts from nothing, whatever another
-            inode, blob = made, None  # host writes meanwhile
-        elif writable or flags & os.O_TRUNC:
-            inode, blob = await self._content_to_change(ino, flags, caller, sums)
-        elif self.session.shared:  # a reader's one worker call: its read records its hold
-            inode, blob = await self._read_holding(ino, sums)
-            held = True
-        else:  # a reader's one metadata read (commits run in worker threads: read at open)
-            inode, blob = await self._content(ino, sums)
-        if inode.is_dir:
-            raise fail(errno.EISDIR)  # (a directory has no blob: nothing held)
-        if not held:
-            inode, blob = await self._hold(inode, blob, sums)
+        inode, blob = await self._content_for_open(ino, flags, caller, made)
         try:
-            beside = await self._claim_kernel_inode(inode, nodeid, flags, caller)
-            fd = await self._open_blob(inode, blob)
+            beside = await self._claim_kernel_inode(inode, nodeid, flags, blob, caller)
+            fd = await self.content.open_blob(inode, blob)
             if self._passes_through(writable, flags, blob):
-                assert blob is not None and fd is not None  # a blob: _open_blob opened it
-                await self._verify_whole(inode, blob, fd, bool(flags & os.O_DIRECT))
+                assert blob is not None and fd is not None  # a blob: open_blob opened it
+                await self.content.verify_whole(inode, blob, fd, bool(flags & os.O_DIRECT))
         except BaseException:
             if blob is not None:
                 await self.session.release(blob.blob_id)
             raise
-        handle = Handle(next(self._next_fh), inode.ino, writable, bool(flags & os.O_APPEND),
-                        inode.version, blob, fd, caller, bool(flags & os.O_DIRECT),
-                        nodeid=nodeid, kill_privs=caller if writable and caller.uid else None)
+        handle = Handle(next(self.state.next_fh), inode.ino, writable,
+                        bool(flags & os.O_APPEND), inode.version, blob, fd, caller,
+                        bool(flags & os.O_DIRECT), nodeid=nodeid,
+                        kill_privs=caller if writable and caller.uid else None)
         try:  # (others may have come meanwhile)
-            handle.beside = beside or self._claim_again(inode, nodeid, flags, caller)
+            handle.beside = beside or self._claim_again(inode, nodeid, flags, blob, caller)
         except BaseException:
             await self._close_handle(handle)
             raise
@@ -127,50 +176,82 @@ class FileTable(WritingOps):
             self.prefetcher.opened(blob.blob_id, bool(flags & os.O_DIRECT))
             handle.load_model = model_of(inode.name) or OTHER
             self.loads.opened(handle.load_model, blob.size)
-        state = self._open.setdefault(inode.ino, OpenInode(inode))
+        state = self.state.inodes.setdefault(inode.ino, OpenInode(inode))
         state.inode = inode
         state.handles.add(handle)
-        self._handles[handle.fh] = handle
+        self.state.handles[handle.fh] = handle
         try:
             return await self._answer_open(state, handle, flags)
         except BaseException:
-            del self._handles[handle.fh]
+            del self.state.handles[handle.fh]
             with trio.CancelScope(shield=True):
                 await self._close_handle(handle)
             raise
 
+    async def _content_for_open(self, ino: int, flags: int, caller: Caller, made: Inode | None
+                                ) -> tuple[Inode, BlobInfo | None]:
+        """The inode an open starts from, and its blob, held (released with the handle)."""
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        sums = not self._sums_may_wait(writable, flags)
+        held = False
+        if made is not None:  # empty: its writer starts from nothing, whatever another
+            inode, blob = made, None  # host writes meanwhile
+        elif writable or flags & os.O_TRUNC:
+            inode, blob = await self._content_to_change(ino, flags, caller, sums)
+        elif self.session.shared:  # a reader's one worker call: its read records its hold
+            inode, blob = await self.content.read_holding(ino, sums)
+            held = True
+        else:  # a reader's one metadata read (commits run in worker threads: read at open)
+            inode, blob = await self.content.read(ino, sums)
+        if inode.is_dir:
+            raise fail(errno.EISDIR)  # (a directory has no blob: nothing held)
+        return (inode, blob) if held else await self.content.hold(inode, blob, sums)
+
+    def _facts(self, inode: Inode, nodeid: int | None, flags: int, blob: BlobInfo | None,
+               handle: Handle | None = None, *, retrying: bool = False,
+               waited: bool = False) -> OpenFacts:
+        """What `serve_open` decides from, as things stand: an open of `inode` on kernel inode
+        `nodeid`, before it joins the opens there, or once it has (`handle`)."""
+        return OpenFacts(
+            flags, blob is not None, inode.version if handle is None else handle.version,
+            own=nodeid is None,
+            others=() if nodeid is None else self.state.on_kernel_inode(inode.ino, nodeid,
+                                                                        but=handle),
+            retrying=retrying, waited=waited, joined=handle is not None,
+            beside=handle is not None and handle.beside,
+            passthrough=self.passthrough.available(), kernel_o_direct=self.passthrough.o_direct,
+            clears_privileges=handle is not None and handle.kill_privs is not None
+            and bool(privileges_to_clear(inode, handle.kill_privs)),
+            cached_version=None if nodeid is None else self.state.cached_version.get(nodeid),
+            read_directly=None if nodeid is None else self.state.read_directly.get(nodeid))
+
     async def _claim_kernel_inode(self, inode: Inode, nodeid: int | None, flags: int,
-                                  caller: Caller) -> bool:
+                                  blob: BlobInfo | None, caller: Caller) -> bool:
         """Whether the open can be answered on kernel inode `nodeid`: with the opens on it
-        (`shares_kernel_inode`: False), or beside them, served here (True: a write-only
-        open, which can neither read nor map, retried after a refusal). Else ESTALE, after
-        giving the file a fresh kernel inode unless its current one is free: the kernel then
-        looks the name up again and opens that one (kvfs/files/kernel_inodes.py). A retry that
-        finds its kernel inode taken again (two retries can meet on one lookup) waits a
-        short while for it before it is refused."""
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if (nodeid is not None and not self._fits(inode, nodeid, writable)
-                and flags & os.O_ACCMODE != os.O_WRONLY and self._retrying(caller, inode.ino)):
-            state = self._open[inode.ino]
+        (False), or beside them, served here (True: `Serving.WRITER_BESIDE`). Else ESTALE,
+        after giving the file a fresh kernel inode unless its current one is free: the
+        kernel then looks the name up again and opens that one (kvfs/files/kernel_inodes.py).
+        A retry that finds its kernel inode taken again (two retries can meet on one lookup)
+        waits a short while for it before it is refused (`Serving.WAIT`)."""
+        retrying = self._retrying(caller, inode.ino)
+        if serve_open(self._facts(inode, nodeid, flags, blob, retrying=retrying)
+                      ) is Serving.WAIT:
+            state = self.state.inodes[inode.ino]  # (opens it cannot join are there)
             with trio.move_on_after(RETRY_WAIT_SECONDS):
-                while not self._fits(inode, nodeid, writable):
+                while serve_open(self._facts(inode, nodeid, flags, blob, retrying=True)
+                                 ) is Serving.WAIT:
                     await state.closed.wait()
-        return self._claim_again(inode, nodeid, flags, caller)
+        return self._claim_again(inode, nodeid, flags, blob, caller)
 
-    def _claim_again(self, inode: Inode, nodeid: int | None, flags: int, caller: Caller
-                     ) -> bool:
+    def _claim_again(self, inode: Inode, nodeid: int | None, flags: int,
+                     blob: BlobInfo | None, caller: Caller) -> bool:
         """`_claim_kernel_inode` without waiting: also at the moment the handle joins."""
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if nodeid is None or self._fits(inode, nodeid, writable):
-            return False
-        if flags & os.O_ACCMODE == os.O_WRONLY and self._retrying(caller, inode.ino):
-            return True
-        self._refuse(inode, nodeid, caller)
-
-    def _fits(self, inode: Inode, nodeid: int, writable: bool) -> bool:
-        state = self._open.get(inode.ino)
-        on_it = [] if state is None else [h for h in state.handles if h.nodeid == nodeid]
-        return shares_kernel_inode(on_it, writable, inode.version)
+        serving = serve_open(self._facts(inode, nodeid, flags, blob, waited=True,
+                                         retrying=self._retrying(caller, inode.ino)))
+        if serving is Serving.RENEW:
+            assert nodeid is not None  # (kvfs's own opens are on no kernel inode)
+            self._refuse(inode, nodeid, caller)
+        return serving is Serving.WRITER_BESIDE
 
     def _retrying(self, caller: Caller, ino: int) -> bool:
         """Whether the calling thread's open of `ino` was refused (ESTALE) just now: this
@@ -179,7 +260,7 @@ class FileTable(WritingOps):
         return refused is not None and time.monotonic() - refused < RETRY_SECONDS
 
     def _refuse(self, inode: Inode, nodeid: int, caller: Caller) -> NoReturn:
-        state = self._open.get(inode.ino)
+        state = self.state.inodes.get(inode.ino)
         current = self.kernel.nodeid(inode.ino)
         if current == nodeid or state is not None and any(
                 h.nodeid == current for h in state.handles):
@@ -193,31 +274,39 @@ class FileTable(WritingOps):
         raise fail(errno.ESTALE)
 
     async def _answer_open(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
-        """How the kernel is to do the I/O of a handle just opened (and a truncating open's
-        truncate). Its kernel inode holds readers of its version alone, or it alone."""
-        inode, writable, blob, fd = state.inode, handle.writable, handle.blob, handle.fd
-        if writable and flags & os.O_TRUNC:
-            await self.truncate(handle, 0)
-            await self._clear_privileges(handle)  # truncation by open is a write: it clears them
-        if handle.beside:
-            self.stats.write_opens_daemon += 1
-            return self._served(state, handle)
-        if self.passthrough.available() and handle.nodeid is not None:
-            if writable:
-                return await self._open_writer(state, handle, flags)
-            opened = self._open_for_passthrough(state, handle,
-                                                self._passes_through(writable, flags, blob))
+        """How the kernel is to do the I/O of a handle just opened (`serve_open`), after a
+        truncating open's truncate. Its kernel inode holds readers of its version alone, or
+        it alone, or it beside others (`Serving.WRITER_BESIDE`)."""
+        if handle.writable and flags & os.O_TRUNC:
+            await self.writer.truncate(handle, 0)
+            await self.writer.first_write_clears(handle)  # truncation by open is a write
+        serving = serve_open(self._facts(state.inode, handle.nodeid, flags, handle.blob,
+                                         handle))
+        if serving in (Serving.WRITER_BESIDE, Serving.DAEMON_WRITER):
+            return self._served_writer(state, handle)
+        if serving is Serving.PASSTHROUGH_WRITER:
+            return await self._open_writer(state, handle)
+        if serving in (Serving.OWN, Serving.DIRECT_WRITER):
+            return Opened(handle.fh, direct_io=True, keep_cache=self._keeps_cache(handle))
+        if serving in (Serving.PASSTHROUGH_READER, Serving.DAEMON_READER):
+            if serving is Serving.PASSTHROUGH_READER:
+                opened = self._open_for_passthrough(state, handle)
+            else:
+                self.stats.opens_daemon += 1
+                opened = self._served(state, handle)
+            blob = handle.blob
             if not handle.backing and blob is not None and blob.pending:
-                handle.blob = await self._summed(inode, blob, fd)  # the daemon checks its reads
+                # the daemon checks its reads
+                handle.blob = await self.content.summed(state.inode, blob, handle.fd)
             return opened
+        assert serving in (Serving.DIRECT_READER, Serving.PAGE_CACHE_READER), serving
         keep = self._keeps_cache(handle)
-        if writable or handle.nodeid is None:
-            return Opened(handle.fh, direct_io=True, keep_cache=keep)
         self.stats.opens_daemon += 1
-        if not keep and fd is not None:
-            self.data.will_read(fd)  # the kernel's pages are not there: reads will come here
-        if self._read_directly.get(handle.nodeid) != inode.version and not keep:
-            self._read_directly[handle.nodeid] = inode.version
+        if not keep and handle.fd is not None:
+            self.data.will_read(handle.fd)  # the kernel's pages are not there: reads come here
+        if serving is Serving.DIRECT_READER:
+            assert handle.nodeid is not None  # (kvfs's own opens are `Serving.OWN`)
+            self.state.read_directly[handle.nodeid] = handle.version
             return Opened(handle.fh, direct_io=True, keep_cache=keep)
         return Opened(handle.fh, direct_io=False, keep_cache=keep)
 
@@ -228,11 +317,10 @@ class FileTable(WritingOps):
         if handle.nodeid is None:
             return True
         if handle.writable:
-            self._cached_version.pop(handle.nodeid, None)
-            self._read_directly.pop(handle.nodeid, None)
+            self.state.forget_pages(handle.nodeid)
             return False
-        keep = self._cached_version.get(handle.nodeid) == handle.version
-        self._cached_version[handle.nodeid] = handle.version
+        keep = self.state.cached_version.get(handle.nodeid) == handle.version
+        self.state.cached_version[handle.nodeid] = handle.version
         return keep
 
     async def _content_to_change(self, ino: int, flags: int, caller: Caller, sums: bool
@@ -246,17 +334,7 @@ class FileTable(WritingOps):
             await self.truncate_path(inode, 0, caller)
         # Read again, with its blob record in one snapshot: commits run in worker threads,
         # so it may have changed since.
-        return await self._content(ino, sums)
-
-    async def _content(self, ino: int, sums: bool = True) -> tuple[Inode, BlobInfo | None]:
-        """The inode and its blob record; with block sums if `sums`: those of a blob the
-        kernel wrote are taken first if the background has not yet (EIO, the file dropped,
-        if its data file is not what was committed)."""
-        inode, blob = await self.meta_call(self.meta.content.get, ino)
-        if sums and blob is not None and blob.pending:
-            await self._take_sums(inode, blob)
-            inode, blob = await self.meta_call(self.meta.content.get, ino)
-        return inode, blob
+        return await self.content.read(ino, sums)
 
     def _sums_may_wait(self, writable: bool, flags: int) -> bool:
         """Whether a blob the kernel wrote may be opened before its block sums are taken:
@@ -267,102 +345,31 @@ class FileTable(WritingOps):
         return (self.verifier.mode is VerifyMode.ONCE and self.passthrough.available()
                 and not writable and self.passthrough.takes(flags))
 
-    async def _take_sums(self, inode: Inode, blob: BlobInfo) -> None:
-        """Take the block sums of a blob the kernel wrote, if the background has not yet
-        (EIO, the file dropped, if its data file is not what was committed)."""
-        try:
-            await self.hasher.take_sums(blob.blob_id)
-        except ChecksumError as error:
-            await self._drop_damaged(inode, str(error), blob)
-            raise fail(errno.EIO) from None
-
-    async def _summed(self, inode: Inode, blob: BlobInfo, fd: int | None) -> BlobInfo:
-        """A held blob's record with its block sums, for an open that was to pass through
-        without them and is served here after all. Its record may be gone (replaced
-        meanwhile); its data file, held, is not: the sums are then taken from it here."""
-        await self._take_sums(inode, blob)
-        summed = await self.meta_call(self.meta.content.blob_info, blob.blob_id)
-        if summed is not None:
-            return summed
-        assert fd is not None  # a blob: _open_blob opened it
-        return replace(blob, sums=await off_loop(block_sums, fd, blob.size), pending=False)
-
-    async def _hold(self, inode: Inode, blob: BlobInfo | None, sums: bool
-                    ) -> tuple[Inode, BlobInfo | None]:
-        """Hold the blob about to be opened (released with the handle). In a shared pool a
-        hold that did not stand already is recorded in a change that reads the inode again
-        (`_read_holding`): a blob that another host replaced in between may already be on
-        its way out, so whatever the inode names then is held instead."""
-        if blob is None or self.session.hold_standing(blob.blob_id):
-            return inode, blob
-        return await self._read_holding(inode.ino, sums)
-
-    async def _read_holding(self, ino: int, sums: bool) -> tuple[Inode, BlobInfo | None]:
-        """(Shared pool) `_content`, read in the change that records this host's hold of the
-        blob read (released with the handle)."""
-        inode, blob = await self.session.read_holding(ino)
-        if not (sums and blob is not None and blob.pending):
-            return inode, blob
-        try:
-            again, again_blob = await self._content(ino, sums)
-        except BaseException:
-            await self.session.release(blob.blob_id)  # removed meanwhile, by another host
-            raise
-        if again_blob is not None and again_blob.blob_id == blob.blob_id:
-            return again, again_blob
-        await self.session.release(blob.blob_id)
-        return await self._hold(again, again_blob, sums)
-
     def _passes_through(self, writable: bool, flags: int, blob: BlobInfo | None) -> bool:
         """Readers of a committed blob, O_DIRECT ones too unless --odirect daemon."""
         return not writable and blob is not None and self.passthrough.takes(flags)
 
-    async def _verify_whole(self, inode: Inode, blob: BlobInfo, fd: int, direct: bool) -> None:
-        """Check every block before the kernel may read the blob, unless the mount's verify
-        mode says an earlier check still holds (EIO and the file dropped if one is bad). A
-        blob whose sums are still pending (`_sums_may_wait`) has only its size checked, and
-        its opening holds the sums back like a kernel writer's commit: they come once the
-        kernel's I/O on such blobs is quiet."""
-        try:
-            if blob.pending:
-                self.hasher.kernel_busy()
-                check_blob_size(fd, blob)
-            else:
-                await self.verifier.verify(fd, blob, direct)
-        except ChecksumError as error:
-            os.close(fd)
-            await self._drop_damaged(inode, str(error), blob)
-            raise fail(errno.EIO) from None
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _open_for_passthrough(self, state: OpenInode, handle: Handle, wanted: bool) -> Opened:
-        """With passthrough on the mount: readers of one version on one kernel inode share
-        its backing file; the rest (O_DIRECT readers under --odirect daemon, readers beside
-        those) are served by the daemon, always direct_io, since the kernel does not mix
-        page-cache and passthrough opens of an inode."""
-        nodeid = handle.nodeid
-        assert nodeid is not None  # (kvfs's own opens are served: `_answer_open`)
-        others_served_here = any(not h.backing for h in state.handles
-                                 if h is not handle and h.nodeid == nodeid)
-        if wanted and handle.blob is not None and not others_served_here:
-            backing = state.backings.get(nodeid)
-            if backing is None:
-                backing_id = self.passthrough.register(handle.fd) if handle.fd else None
-                if backing_id is not None:
-                    backing = state.backings[nodeid] = Backing(handle.blob.blob_id,
-                                                               backing_id, 0)
-            if backing is not None:
-                # (`shares_kernel_inode`: the backing file is this version's blob)
-                assert backing.blob_id == handle.blob.blob_id and not backing.writable
-                backing.users += 1
-                handle.backing = True
-                self.stats.opens_passthrough += 1
-                return Opened(handle.fh, direct_io=False, keep_cache=False,
-                              backing_id=backing.backing_id)
-        self.stats.opens_daemon += 1
-        return self._served(state, handle)
+    def _open_for_passthrough(self, state: OpenInode, handle: Handle) -> Opened:
+        """`Serving.PASSTHROUGH_READER`: readers of one version on one kernel inode share its
+        backing file, registered by the first; served by the daemon (direct_io) if the
+        kernel refuses it."""
+        nodeid, blob = handle.nodeid, handle.blob
+        assert nodeid is not None and blob is not None  # (`serve_open`)
+        backing = state.backings.get(nodeid)
+        if backing is None:
+            backing_id = self.passthrough.register(handle.fd) if handle.fd else None
+            if backing_id is not None:
+                backing = state.backings[nodeid] = Backing(blob.blob_id, backing_id, 0)
+        if backing is None:
+            self.stats.opens_daemon += 1
+            return self._served(state, handle)
+        # (`shares_kernel_inode`: the backing file is this version's blob)
+        assert backing.blob_id == blob.blob_id and not backing.writable
+        backing.users += 1
+        handle.backing = True
+        self.stats.opens_passthrough += 1
+        return Opened(handle.fh, direct_io=False, keep_cache=False,
+                      backing_id=backing.backing_id)
 
     def _served(self, state: OpenInode, handle: Handle) -> Opened:
         """An open the daemon serves (direct_io). Beside a backing file of its kernel inode
@@ -378,24 +385,18 @@ class FileTable(WritingOps):
         return Opened(handle.fh, direct_io=True, keep_cache=False,
                       backing_id=backing.backing_id)
 
-    async def _open_writer(self, state: OpenInode, handle: Handle, flags: int) -> Opened:
-        """A write-only writer, alone on its kernel inode (`shares_kernel_inode`): a maker
-        like LMCache's `<key>.tmp`, a rewriter, an appender, O_DIRECT or not, writes through
-        the kernel straight into its staged file, in room reserved up front; a rewrite's
-        staged file starts as a copy of the committed content (copy_file_range: the
-        volume's reflink where it has one). The rest are served here, direct_io, each write
-        accounted and hashed as it comes: read-write opens (the only ones that can map the
-        file for writing, and a map outlives the close that commits: through the kernel,
-        its later stores would land in the committed blob; here they make a new version),
-        writers whose writes must clear setuid/setgid, O_DIRECT under --odirect daemon."""
-        inode = state.inode
+    async def _open_writer(self, state: OpenInode, handle: Handle) -> Opened:
+        """`Serving.PASSTHROUGH_WRITER`: a write-only writer, alone on its kernel inode (a
+        maker like LMCache's `<key>.tmp`, a rewriter, an appender, O_DIRECT or not) writes
+        through the kernel straight into its staged file, in room reserved up front; a
+        rewrite's staged file starts as a copy of the committed content (copy_file_range:
+        the volume's reflink where it has one). Served here (direct_io, each write accounted
+        and hashed as it comes) where there is no room for the copy or the reservation, or
+        the kernel refuses the backing file."""
         assert handle.nodeid is not None
-        if (flags & os.O_ACCMODE == os.O_RDWR or not self.passthrough.takes(flags)
-                or handle.kill_privs and privileges_to_clear(inode, handle.kill_privs)):
-            return self._served_writer(state, handle)  # (a write clears setuid/gid: seen here)
-        staged = await self._staged(handle)
+        staged = await self.writer.staged(handle)
         try:
-            await self._copy_base(staged)
+            await self.writer.copy_base(staged)
         except FsError:  # no room for a copy now: served here, copied when a write needs it
             return self._served_writer(state, handle)
         handle.reserved = await self.space.reserve_for_kernel_writer()
@@ -412,7 +413,7 @@ class FileTable(WritingOps):
             return self._served_writer(state, handle)
         state.backings[handle.nodeid] = Backing(staged.blob_id, backing_id, writable=True)
         handle.backing = True
-        handle.changed_at = next(self._clock)
+        handle.changed_at = next(self.state.clock)
         self.stats.write_opens_passthrough += 1
         return Opened(handle.fh, direct_io=False, keep_cache=False, backing_id=backing_id)
 
@@ -420,36 +421,25 @@ class FileTable(WritingOps):
         self.stats.write_opens_daemon += 1
         return self._served(state, handle)
 
-    async def _open_blob(self, inode: Inode, blob: BlobInfo | None) -> int | None:
-        if blob is None:
-            return None
-        try:
-            return self.data.open_blob(blob.blob_id)
-        except FileNotFoundError:
-            if not await self.meta_call(self.meta.content.is_committed_blob, blob.blob_id):
-                raise fail(errno.ENOENT) from None  # evicted or replaced just now
-            await self._drop_damaged(inode, f"data file of blob {blob.blob_id:016x} is missing")
-            raise fail(errno.ENOENT) from None
-
     async def release(self, fh: int) -> None:
-        handle = self._handles.pop(fh)
+        handle = self.state.handles.pop(fh)
         try:
             if handle.writable:  # (a reader has nothing to commit)
-                await self.flush(handle, closing=False)
+                await self.writer.flush(handle, closing=False)
         finally:
             await self._close_handle(handle)
 
     async def _close_handle(self, handle: Handle) -> None:
         """Let go of what a handle holds (its flush is done, or it never opened)."""
-        self._discard_staged(handle)
+        self.writer.discard_staged(handle)
         if handle.backing and handle.writable:
-            self._writer_closed()
+            self.retirer.writer_closed()
         self.space.kernel_writer_closed(handle.reserved)
         if handle.load_model is not None:
             self.loads.closed(handle.load_model)
         if handle.fd is not None:
             os.close(handle.fd)
-        state = self._open.get(handle.ino)
+        state = self.state.inodes.get(handle.ino)
         if state is not None and handle in state.handles:
             state.handles.discard(handle)
             state.closed.set()
@@ -461,18 +451,17 @@ class FileTable(WritingOps):
                 if not backing.users:
                     self.passthrough.unregister(backing.backing_id)
                     del state.backings[nodeid]  # type: ignore[arg-type]  # (a backing: not None)
-            self._forget_if_unused(state)
+            self.state.forget_if_unused(state)
         if handle.blob is not None:
             await self.session.release(handle.blob.blob_id)
 
     def forget(self, nodeid: int, lookups: int) -> None:
         """The kernel dropped its inode `nodeid`, and with it any cached pages."""
-        self._cached_version.pop(nodeid, None)
-        self._read_directly.pop(nodeid, None)
+        self.state.forget_pages(nodeid)
         self.kernel.forget(nodeid, lookups)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
-        handle = self.handle(fh)
+        handle = self.state.handle(fh)
         self.space.note_use(handle.ino)
         data: bytes | bytearray | memoryview
         if handle.staged is not None:
@@ -484,8 +473,8 @@ class FileTable(WritingOps):
             try:
                 data = await self.cache.read(handle.fd, handle.blob, offset, size)
             except ChecksumError as error:
-                await self._drop_damaged(self._open[handle.ino].inode, str(error),
-                                         handle.blob)
+                await self.retirer.drop_damaged(self.state.inodes[handle.ino].inode,
+                                                str(error), handle.blob)
                 raise fail(errno.EIO) from None
         self.stats.bytes_read += len(data)
         return data
@@ -495,12 +484,72 @@ class FileTable(WritingOps):
         A size that cannot be had changes nothing (no new version, no eviction)."""
         check_file_size(size)
         opened = await self.open(inode.ino, os.O_WRONLY, caller)
-        handle = self._handles[opened.fh]
+        handle = self.state.handles[opened.fh]
         try:
-            await self.truncate(handle, size)
+            await self.writer.truncate(handle, size)
         except BaseException:
-            self._discard_staged(handle)
+            self.writer.discard_staged(handle)
             raise
         finally:
             await self.release(opened.fh)
-        return await self.attributes(inode.ino)
+        return await self.state.attributes(inode.ino)
+
+    # What the FUSE layer and the daemon call, done by the part that owns it.
+
+    async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None
+                         ) -> Inode:
+        return await self.state.attributes(ino, cached, nodeid)
+
+    def open_inodes(self) -> frozenset[int]:
+        return self.state.open_inodes()
+
+    def is_open(self, ino: int) -> bool:
+        return self.state.is_open(ino)
+
+    def has_writer(self, ino: int) -> bool:
+        return self.state.has_writer(ino)
+
+    def handle(self, fh: int) -> Handle:
+        return self.state.handle(fh)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        return await self.writer.write(fh, offset, data)
+
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        await self.writer.fallocate(fh, mode, offset, length)
+
+    async def truncate(self, handle: Handle, size: int) -> None:
+        await self.writer.truncate(handle, size)
+
+    async def flush(self, handle: Handle, closing: bool = True) -> bool:
+        return await self.writer.flush(handle, closing)
+
+    async def clear_privileges(self, ino: int, writer: Caller) -> None:
+        await self.writer.clear_privileges(ino, writer)
+
+    async def cleared_by_chown(self, ino: int, caller: Caller) -> int:
+        return await self.writer.cleared_by_chown(ino, caller)
+
+    async def run_publisher(self) -> None:
+        await self.writer.run_publisher()
+
+    def publish_remaining(self) -> None:
+        self.writer.publish_remaining()
+
+    def session_lost(self) -> None:
+        self.writer.session_lost()
+
+    def retire(self, removed: Removed, behind_kernel: bool = False) -> None:
+        self.retirer.retire(removed, behind_kernel)
+
+    async def evicted(self, removed: list[Removed]) -> None:
+        await self.retirer.evicted(removed)
+
+    async def deletions_done(self) -> bool:
+        return await self.retirer.deletions_done()
+
+    async def run_reaper(self) -> None:
+        await self.retirer.run_reaper()
+
+    def reap_remaining(self) -> None:
+        self.retirer.reap_remaining()

@@ -1,45 +1,24 @@
 """The open-file table's state: handles, what is open per inode, and the answers about it
-that every layer above needs (kvfs/files/__init__.py describes the whole)."""
+that the writer, the retirer and the table need (kvfs/files/__init__.py describes the whole)."""
 
 from __future__ import annotations
 
 import errno
-import logging
-import math
 import os
 import stat
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TypeVar
 
 import trio
 from pyfuse3 import FileInfo
 
 from kvfs.caller import Caller
-from kvfs.data.cache import BlockCache
 from kvfs.data.staged import StagedFile
-from kvfs.data.store import DataStore, allocated_bytes
-from kvfs.data.verify import LateHasher, Verifier, VerifyMode
-from kvfs.data.volume_helper import VolumeHelper
-from kvfs.engines.write_behind import WriteBehind
-from kvfs.files.kernel_inodes import KernelInodes
-from kvfs.files.passthrough import Passthrough
-from kvfs.files.prefetch import Prefetcher
-from kvfs.files.spares import SpareFiles
-from kvfs.meta import Inode, MetaStore, Removed
+from kvfs.data.store import allocated_bytes
+from kvfs.meta import Inode, MetaStore
 from kvfs.meta.calls import MetaCalls
-from kvfs.observe.loads import LoadMeter
-from kvfs.observe.stats import Stats
-from kvfs.pool.sessions import Session
-from kvfs.pool.space import Space
 from kvfs.quick_lock import QuickLock
 from kvfs.records import BlobInfo, fail
-
-log = logging.getLogger(__name__)
-
-BLOB_ID_BATCH = 256
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -60,7 +39,7 @@ class Handle:
     reserved: int = 0  # room held for a passthrough writer, whose writes kvfs does not see
     kill_privs: Caller | None = None  # a writer without CAP_FSETID: writes clear setuid/gid
     lock: QuickLock = field(default_factory=QuickLock)  # one change or commit at a time
-    changed_at: int = 0  # when this writer last changed its content (FileTable's clock)
+    changed_at: int = 0  # when this writer last changed its content (FileState.clock)
     committed: bool = False  # a close of this writer committed its content
     beside: bool = False  # a write-only retry served beside opens it cannot share with
     load_model: str | None = None  # a reader of committed content: whose load it is
@@ -126,72 +105,21 @@ def privileges_to_clear(inode: Inode, caller: Caller, chown: bool = False) -> in
 
 
 class FileState:
-    """The open-file table's state, owned by the trio loop (kvfs/meta/calls.py)."""
+    """What is open, owned by the trio loop (kvfs/meta/calls.py): the handles by file handle,
+    the open state of each inode, per kernel inode the one version its page cache may hold,
+    and the attributes each kernel inode is shown (a writer's own size)."""
 
-    def __init__(self, meta: MetaStore, data: DataStore, cache: BlockCache, stats: Stats,
-                 space: Space, passthrough: Passthrough, session: Session,
-                 verify: VerifyMode, prefetch_budget: int, helper: VolumeHelper | None,
-                 spares: bool, kernel: KernelInodes,
-                 on_attributes_changed: Callable[[int], None],
-                 on_removed: Callable[[Removed], None]) -> None:
+    def __init__(self, meta: MetaStore) -> None:
         self.meta = meta
-        self.kernel = kernel  # which of the kernel's inodes each open is on
         self.meta_call = MetaCalls(meta.engine)
-        self.data = data
-        self.cache = cache
-        self.passthrough = passthrough
-        self.helper = helper  # makes spares and publishes (kvfs/data/volume_helper.py), if alive
-        # Whether closes leave every publishing to the publisher (else only syncing stores')
-        self.publish_later = helper is not None
-        # Set where a shared engine answers changes ahead of Redis (write-behind): a small
-        # file's close leaves its data's sync to that engine's queue, which syncs the files
-        # of a batch together before sending it (one journal commit for many closes).
-        self.write_behind: WriteBehind | None = None
-        self.spares = SpareFiles(data, helper if spares else None, stats, self._take_blob_ids)
-        self.verifier = Verifier(data, stats, verify)
-        self.hasher = LateHasher(data, meta, self.verifier, stats)
-        self.prefetcher = Prefetcher(meta, data, self.verifier, session, stats, prefetch_budget)
-        self.loads = LoadMeter()
-        self.stats = stats
-        self.space = space
-        self.session = session
-        self.on_attributes_changed = on_attributes_changed  # tell the kernel (setuid cleared)
-        self.on_removed = on_removed  # tell the kernel names vanished (eviction, lost data)
-        self._handles: dict[int, Handle] = {}
-        self._refused: dict[tuple[int, int], float] = {}  # (thread, ino) -> when (ESTALE)
-        self._open: dict[int, OpenInode] = {}
+        self.handles: dict[int, Handle] = {}
+        self.inodes: dict[int, OpenInode] = {}  # by inode number, while a handle holds one
         # per kernel inode (node id): the one version its page cache may hold, and the
         # version read once bypassing it
-        self._cached_version: dict[int, int] = {}
-        self._read_directly: dict[int, int] = {}
-        self._next_fh = count(1)
-        self._clock = count(1)  # orders writers' changes: the latest one's size is shown
-        self._blob_ids: range = range(0)
-        self._doomed: list[int] = []  # blobs whose data files the reaper deletes
-        # Committed blobs a flush is still moving into blobs/, and those of them replaced
-        # meanwhile: deleted only once their publishing is over.
-        self._publishing: set[int] = set()
-        self._doomed_when_published: set[int] = set()
-        # Committed blobs a passthrough writer still writes into (after a close of one of
-        # its descriptors): deleted once it is done with them.
-        self._doomed_when_closed: set[int] = set()
-        # Blobs a close committed and left to the publisher (the volume helper's, or on a
-        # syncing store a worker's), each with what it sets when done.
-        self._published_later: dict[int, trio.Event] = {}
-        self._to_publish, self._publish_queue = trio.open_memory_channel[StagedFile](math.inf)
-        self._reap_wanted = trio.Event()
-        self._reaping = trio.Lock()  # held while a worker deletes doomed blobs' data files
-
-    def session_lost(self) -> None:
-        """(the loop) This host was declared dead while it stalled, and its reaper took its
-        staging directory (made again since): spares named there are gone, and so is the
-        write-behind journal."""
-        self.spares.forget()
-        if self.write_behind is not None:
-            self.write_behind.rejournal()
-
-    async def _take_blob_ids(self, count: int) -> range:
-        return await self.meta_call(self.meta.content.allocate_blob_ids, count)
+        self.cached_version: dict[int, int] = {}
+        self.read_directly: dict[int, int] = {}
+        self.next_fh = count(1)
+        self.clock = count(1)  # orders writers' changes: the latest one's size is shown
 
     async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None
                          ) -> Inode:
@@ -200,14 +128,14 @@ class FileState:
         kernel keeps one size per inode, and a writer's fstat and SEEK_END must see its own
         writes, while readers on their kernel inode see the version they opened). `cached`:
         for the kernel's attribute cache (`Engine.snapshot`)."""
-        state = self._open.get(ino)
+        state = self.inodes.get(ino)
         if state and state.unlinked:
             inode = state.inode
         elif cached:
             inode = await self.meta_call.cached(self.meta.namespace.get, ino, cached=True)
         else:
             inode = await self.meta_call(self.meta.namespace.get, ino)
-        state = self._open.get(ino)  # (it may have changed meanwhile)
+        state = self.inodes.get(ino)  # (it may have changed meanwhile)
         if state is None:
             return inode
         readers = [handle for handle in state.handles if handle.nodeid == nodeid]
@@ -227,26 +155,46 @@ class FileState:
         return inode._replace(size=size, allocated=allocated)
 
     def open_inodes(self) -> frozenset[int]:
-        return frozenset(self._open)
+        return frozenset(self.inodes)
 
     def is_open(self, ino: int) -> bool:
-        return ino in self._open
+        return ino in self.inodes
 
     def has_writer(self, ino: int) -> bool:
-        state = self._open.get(ino)
+        state = self.inodes.get(ino)
         return state is not None and any(handle.writable for handle in state.handles)
 
     def handle(self, fh: int) -> Handle:
-        handle = self._handles.get(fh)
+        handle = self.handles.get(fh)
         if handle is None:
             raise fail(errno.EBADF)
         return handle
 
-    def _forget_if_unused(self, state: OpenInode) -> None:
-        """Drop an inode's open state once no handle holds it."""
-        if not state.handles and self._open.get(state.inode.ino) is state:
-            del self._open[state.inode.ino]
+    def on_kernel_inode(self, ino: int, nodeid: int, but: Handle | None = None
+                        ) -> list[Handle]:
+        """The handles of `ino` open on kernel inode `nodeid`, other than `but`."""
+        state = self.inodes.get(ino)
+        if state is None:
+            return []
+        return [h for h in state.handles if h.nodeid == nodeid and h is not but]
 
-    def _is_unlinked(self, ino: int) -> bool:
-        state = self._open.get(ino)
+    def forget_if_unused(self, state: OpenInode) -> None:
+        """Drop an inode's open state once no handle holds it."""
+        if not state.handles and self.inodes.get(state.inode.ino) is state:
+            del self.inodes[state.inode.ino]
+
+    def forget_pages(self, nodeid: int) -> None:
+        """What the page cache of kernel inode `nodeid` held no longer counts: gone, or of a
+        file retired or written."""
+        self.cached_version.pop(nodeid, None)
+        self.read_directly.pop(nodeid, None)
+
+    def is_unlinked(self, ino: int) -> bool:
+        state = self.inodes.get(ino)
         return state is not None and state.unlinked
+
+    def kernel_writes_into(self, blob_id: int) -> bool:
+        """Whether a passthrough writer's kernel writes into blob `blob_id` (its staged file,
+        also once a close committed it)."""
+        return any(handle.backing and handle.staged is not None
+                   and handle.staged.blob_id == blob_id for handle in self.handles.values())

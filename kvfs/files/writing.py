@@ -1,4 +1,4 @@
-"""Writers: each write handle fills a private staged blob (kvfs/data/store.py's StagedFile), in
+"""Writers: each write handle fills a private staged blob (kvfs/data/staged.py's StagedFile), in
 room the space manager reserved first; its flush (close) commits it in one metadata change,
 from the loop where finishing it is a few small syscalls (else off the loop), and leaves its
 publishing to the publisher, which no close waits for: the volume helper process renames it
@@ -9,46 +9,99 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
 from kvfs.caller import Caller
 from kvfs.data.staged import StagedFile
-from kvfs.data.store import writable_length
-from kvfs.data.volume_helper import HelperGone, move
+from kvfs.data.store import DataStore, writable_length
+from kvfs.data.verify import LateHasher, Verifier
+from kvfs.data.volume_helper import HelperGone, VolumeHelper, move
 from kvfs.engines.write_behind import WriteBehind
-from kvfs.files.retiring import RetiringOps
-from kvfs.files.state import (
-    BLOB_ID_BATCH,
-    Handle,
-    T,
-    privileges_to_clear,
-)
-from kvfs.meta import Inode
-from kvfs.meta.calls import off_loop
+from kvfs.files.retiring import Retirer
+from kvfs.files.spares import SpareFiles
+from kvfs.files.state import FileState, Handle, privileges_to_clear
+from kvfs.meta import Inode, MetaStore
+from kvfs.meta.calls import MetaCalls, off_loop
+from kvfs.observe.stats import Stats
+from kvfs.pool.sessions import Session
+from kvfs.pool.space import Space
 from kvfs.records import BlobInfo, FsError, fail
 
 log = logging.getLogger(__name__)
 
+BLOB_ID_BATCH = 256
+T = TypeVar("T")
 
-class WritingOps(RetiringOps):
+
+class Writer:
+    """Write handles' staged files, their commits, and the publisher. Holds the open-file
+    state, the retirer (to which it hands the blobs a commit replaced, and those it
+    publishes), the space manager (room for each change), the spares and the blob-id stock
+    (a staged file's name), the verifier and the late hasher (a committed blob's checks),
+    and the volume helper that publishes."""
+
+    def __init__(self, state: FileState, retirer: Retirer, meta: MetaStore, data: DataStore,
+                 space: Space, session: Session, stats: Stats, verifier: Verifier,
+                 hasher: LateHasher, spares: SpareFiles, helper: VolumeHelper | None,
+                 write_behind: WriteBehind | None,
+                 take_blob_ids: Callable[[int], Awaitable[range]],
+                 on_attributes_changed: Callable[[int], None]) -> None:
+        """`helper`: makes spares and publishes (kvfs/data/volume_helper.py), if alive;
+        `write_behind`: set where a shared engine answers changes ahead of Redis: a small
+        file's close leaves its data's sync to that engine's queue, which syncs the files of
+        a batch together before sending it (one journal commit for many closes);
+        `take_blob_ids`: that many fresh blob ids; `on_attributes_changed`: tell the kernel
+        (setuid cleared)."""
+        self.state = state
+        self.retirer = retirer
+        self.meta = meta
+        self.meta_call = MetaCalls(meta.engine)
+        self.data = data
+        self.space = space
+        self.session = session
+        self.stats = stats
+        self.verifier = verifier
+        self.hasher = hasher
+        self.spares = spares
+        self.helper = helper
+        self.publish_later = helper is not None  # closes leave every publishing to it
+        self.write_behind = write_behind
+        self.on_attributes_changed = on_attributes_changed
+        self._take_blob_ids = take_blob_ids
+        self._blob_ids: range = range(0)
+        # Blobs a close committed and left to the publisher (the volume helper's, or on a
+        # syncing store a worker's), each with what it sets when done.
+        self._published_later: dict[int, trio.Event] = {}
+        self._to_publish, self._publish_queue = trio.open_memory_channel[StagedFile](math.inf)
+
+    def session_lost(self) -> None:
+        """(the loop) This host was declared dead while it stalled, and its reaper took its
+        staging directory (made again since): spares named there are gone, and so is the
+        write-behind journal."""
+        self.spares.forget()
+        if self.write_behind is not None:
+            self.write_behind.rejournal()
+
     async def write(self, fh: int, offset: int, data: bytes) -> int:
-        handle = self.handle(fh)
+        handle = self.state.handle(fh)
         async with handle.lock:
-            staged = await self._staged(handle)
+            staged = await self.staged(handle)
             if handle.append:
                 offset = staged.size
             chunk = memoryview(data)[: writable_length(offset, len(data))]
             written = await self._change(staged, staged.growth_bound(offset, len(chunk)),
                                          lambda: staged.write(offset, chunk))
-            handle.changed_at = next(self._clock)
+            handle.changed_at = next(self.state.clock)
         self.stats.bytes_written += written
-        await self._clear_privileges(handle)
+        await self.first_write_clears(handle)
         return written
 
-    async def _clear_privileges(self, handle: Handle) -> None:
+    async def first_write_clears(self, handle: Handle) -> None:
         """On a handle's first write, as Linux does (once: later writes find nothing)."""
         if handle.kill_privs is not None:
             writer, handle.kill_privs = handle.kill_privs, None
@@ -57,11 +110,11 @@ class WritingOps(RetiringOps):
     async def cleared_by_chown(self, ino: int, caller: Caller) -> int:
         """The setuid/setgid bits a chown by `caller` clears (the kernel leaves it to kvfs:
         handle_killpriv_v2)."""
-        return privileges_to_clear(await self.attributes(ino), caller, chown=True)
+        return privileges_to_clear(await self.state.attributes(ino), caller, chown=True)
 
     async def clear_privileges(self, ino: int, writer: Caller) -> None:
         """A write or truncate by `writer` clears setuid/setgid as Linux would."""
-        bits = privileges_to_clear(await self.attributes(ino), writer)
+        bits = privileges_to_clear(await self.state.attributes(ino), writer)
         if bits:
             await self.meta_call(self.meta.namespace.set_attrs, ino, clear_mode=bits)
             self.on_attributes_changed(ino)
@@ -69,23 +122,23 @@ class WritingOps(RetiringOps):
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
         """fallocate(2) on the handle's staged file: what the volume does with it, and its
         errno when it refuses (a mode it lacks, a misaligned collapse)."""
-        handle = self.handle(fh)
+        handle = self.state.handle(fh)
         if offset < 0 or length <= 0:
             raise fail(errno.EINVAL)
         async with handle.lock:
-            staged = await self._staged(handle)
+            staged = await self.staged(handle)
             await self._change(staged, staged.fallocate_growth_bound(mode, offset, length),
                                lambda: staged.fallocate(mode, offset, length))
-            handle.changed_at = next(self._clock)
+            handle.changed_at = next(self.state.clock)
 
     async def truncate(self, handle: Handle, size: int) -> None:
         async with handle.lock:
-            staged = await self._staged(handle, fresh=True)
+            staged = await self.staged(handle, fresh=True)
             await self._change(staged, staged.truncate_growth_bound(size),
                                lambda: staged.truncate(size))
-            handle.changed_at = next(self._clock)
+            handle.changed_at = next(self.state.clock)
 
-    async def _staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
+    async def staged(self, handle: Handle, fresh: bool = False) -> StagedFile:
         """The handle's staged file, made on its first change. Of a passthrough writer,
         with what the kernel wrote into it; after a commit, a new one over the same data
         when the kernel wrote again or `fresh` (a change is coming)."""
@@ -95,7 +148,7 @@ class WritingOps(RetiringOps):
         if handle.backing and staged is not None:
             return await self._take_kernel_writes(handle, staged, fresh)
         if staged is not None and staged.committed:
-            self._discard_staged(handle)  # its publication failed: retried there, or left
+            self.discard_staged(handle)  # its publication failed: retried there, or left
         if handle.staged is None:
             spare = self.spares.take()
             if spare is None:
@@ -127,7 +180,7 @@ class WritingOps(RetiringOps):
         blob_id, self._blob_ids = self._blob_ids[0], self._blob_ids[1:]
         return blob_id
 
-    async def _copy_base(self, staged: StagedFile) -> None:
+    async def copy_base(self, staged: StagedFile) -> None:
         """Copy the committed content a rewrite keeps into the staged file, off the loop, in
         room reserved first."""
         if not staged.has_base():
@@ -163,17 +216,17 @@ class WritingOps(RetiringOps):
             if staged is None:
                 return False
             if handle.backing:
-                staged = await self._staged(handle)
+                staged = await self.staged(handle)
             if not staged.changed:  # every change it tried failed: no new version
                 if not handle.backing:  # (the kernel may still write into a writer's file)
-                    self._discard_staged(handle)
+                    self.discard_staged(handle)
                 return False
             if not staged.committed and not await self._commit(handle, staged):
                 return False
             if staged.blob_id not in self._published_later:
                 if not staged.published:  # failed right after the commit: try again, say why
                     await off_loop(staged.publish)
-                self._publishing_over(staged.blob_id)
+                self.retirer.publishing_over(staged.blob_id)
             self.verifier.written(staged.blob_id, staged.fd)
             staged.flushed()
             if not handle.backing:
@@ -185,21 +238,21 @@ class WritingOps(RetiringOps):
         """Whether another writer committed over what this one committed at an earlier
         close (of a duplicate of its descriptor, such as the one Python's mmap holds): its
         close commits its content again, so that the last writer to close wins, whole."""
-        state = self._open.get(handle.ino)
+        state = self.state.inodes.get(handle.ino)
         return (handle.committed and state is not None and not state.unlinked
                 and state.inode.version != handle.version)
 
     async def _stage_again(self, handle: Handle) -> None:
         """Stage the content this handle last committed again, under a new blob id."""
-        staged = await self._staged(handle, fresh=True)
+        staged = await self.staged(handle, fresh=True)
         if not handle.backing:
-            await self._copy_base(staged)
+            await self.copy_base(staged)
             staged.changed = True
 
     async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
         # Marked and held by the commit itself: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
-        self._publishing.add(staged.blob_id)
+        self.retirer.publishing(staged.blob_id)
         holder = self.session.hold_committing(staged.blob_id)
         try:
             later = staged.hashes_later(handle.backing)
@@ -211,17 +264,17 @@ class WritingOps(RetiringOps):
                                                        staged, later, holder)
         except BaseException as error:
             await self.session.release(staged.blob_id)
-            self._publishing_over(staged.blob_id)
+            self.retirer.publishing_over(staged.blob_id)
             if not isinstance(error, FsError) or error.errno != errno.ENOENT:
                 raise
-            self._discard_staged(handle)  # the file was removed meanwhile: its writes go too
+            self.discard_staged(handle)  # the file was removed meanwhile: its writes go too
             return False
         staged.mark_committed()
         if blob.pending:
             self.hasher.want(blob.blob_id, on_volume=handle.direct)
         self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
         self.space.committed(blob.size)
-        self.free_blob(old_blob)
+        self.retirer.free_blob(old_blob)
         # Later writes on this handle start from what it just committed (the staged file's
         # own inode: no path lookup).
         old_fd, handle.fd = handle.fd, os.dup(staged.fd)
@@ -231,7 +284,7 @@ class WritingOps(RetiringOps):
         handle.committed = True
         if previous is not None:
             await self.session.release(previous.blob_id)
-        self._open[handle.ino].inode = inode
+        self.state.inodes[handle.ino].inode = inode
         self.stats.commits += 1
         self.stats.bytes_committed += blob.size
         return True
@@ -284,7 +337,7 @@ class WritingOps(RetiringOps):
                 self.stats.background_errors += 1
                 log.exception("publishing %d blobs failed; recovery publishes them", len(batch))
             for staged in batch:
-                self._publishing_over(staged.blob_id)
+                self.retirer.publishing_over(staged.blob_id)
                 self._published_later.pop(staged.blob_id).set()
             self.stats.blobs_publishing = len(self._published_later)
 
@@ -362,7 +415,7 @@ class WritingOps(RetiringOps):
             staged.publish()
         return blob, inode, old_blob
 
-    def _discard_staged(self, handle: Handle) -> None:
+    def discard_staged(self, handle: Handle) -> None:
         staged = handle.staged
         if staged is not None:
             handle.staged = None
@@ -376,7 +429,7 @@ class WritingOps(RetiringOps):
                 except OSError as error:  # readers find it in staging/; recovery publishes it
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", staged.blob_id, error)
-                self._publishing_over(staged.blob_id)
+                self.retirer.publishing_over(staged.blob_id)
         else:
             self.space.unstage(staged.physical)
         staged.discard()
