@@ -42,29 +42,40 @@ if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     echo "$want" >"$stamp"
 fi
 
-# vLLM's own filesystem KV tier for tests/test_vllm_tier.py and bench.py's vLLM group: three
-# files of the pinned wheel, unpacked unchanged into .venv/vllm-tier (tests/vllm_tier.py
-# loads them). The wheel (336 MB) is fetched once into a cache outside the clone. Outside the
-# stamp above, so that machines set up before get it too.
-VLLM_VERSION=0.33.0
-VLLM_FILES=(vllm/v1/kv_offload/tiering/fs/io.py vllm/v1/kv_offload/tiering/fs/thread_pool.py
-    vllm/v1/kv_offload/file_mapper.py)
-if [[ ! -d .venv/vllm-tier ]]; then
-    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/kvfs/vllm"
-    find_wheel() { compgen -G "$wheels/vllm-$VLLM_VERSION-*.whl" | head -n1 || true; }
+# Files of a pinned wheel, unpacked unchanged into DEST, where the tests load them from: the
+# wheel is fetched once into a cache outside the clone. Outside the stamp above, so that
+# machines set up before get them too; a new pin unpacks again.
+unpack_wheel_files() {
+    local project=$1 version=$2 dest=$3 tests=$4
+    shift 4
+    [[ "$(cat "$dest/VERSION" 2>/dev/null)" == "$version" ]] && return
+    local wheels="${XDG_CACHE_HOME:-$HOME/.cache}/kvfs/$project" wheel fetched=""
+    find_wheel() { compgen -G "$wheels/$project-$version-*.whl" | head -n1 || true; }
     wheel=$(find_wheel)
     if [[ -z $wheel ]]; then
-        echo "setup: fetching the vLLM $VLLM_VERSION wheel (336 MB, once) into $wheels"
-        $PY -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "vllm==$VLLM_VERSION" \
-            || true
+        echo "setup: fetching the $project $version wheel (once) into $wheels"
+        fetched=$($PY -m pip download -q --no-deps --only-binary=:all: -d "$wheels" \
+            "$project==$version" 2>&1) || true
         wheel=$(find_wheel)
     fi
-    if [[ -n $wheel ]]; then
-        rm -rf .venv/vllm-tier.part
-        $PY -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2], sys.argv[3:])' \
-            "$wheel" .venv/vllm-tier.part "${VLLM_FILES[@]}"
-        mv .venv/vllm-tier.part .venv/vllm-tier
-    else
-        echo "setup: vLLM $VLLM_VERSION's wheel is unavailable: tests/test_vllm_tier.py skips"
+    if [[ -z $wheel ]]; then
+        echo "setup: $project $version's wheel is unavailable" \
+            "(pip: $(grep ERROR <<<"$fetched" | tail -n1)): $tests skips"
+        return
     fi
-fi
+    rm -rf "$dest.part" "$dest"
+    $PY -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2], sys.argv[3:])' \
+        "$wheel" "$dest.part" "$@"
+    echo "$version" >"$dest.part/VERSION"
+    mv "$dest.part" "$dest"
+}
+
+# vLLM's own filesystem KV tier (tests/vllm_tier.py, bench.py's vLLM group).
+unpack_wheel_files vllm 0.33.0 .venv/vllm-tier tests/test_vllm_tier.py \
+    vllm/v1/kv_offload/tiering/fs/io.py vllm/v1/kv_offload/tiering/fs/thread_pool.py \
+    vllm/v1/kv_offload/file_mapper.py
+# SGLang's HiCache `file` storage backend (tests/sglang_hicache.py): HiCacheFile, its LRU
+# evictor, its settings.
+unpack_wheel_files sglang 0.5.23 .venv/sglang-hicache tests/test_sglang.py \
+    sglang/srt/mem_cache/hicache_storage.py sglang/srt/mem_cache/storage/file/lru_file_evictor.py \
+    sglang/srt/environ.py
