@@ -64,6 +64,8 @@ from bench_io import (
 )
 from rich.console import Console
 from rich.table import Table
+from sglang_hicache import SGLANG_DIR
+from sglang_hicache import run_worker as run_sglang
 from vllm_tier import VLLM_DIR, run_worker
 
 from kvfs.data.verify import HASH_QUIET_SECONDS
@@ -80,7 +82,7 @@ GROUPS = {"cold-read": "cold_read", "warm-read": "warm_and_hot_read",
           "concurrent-readers": "concurrent_readers", "daemon-memory": "daemon_memory",
           "write": "write", "lmcache-pattern": "lmcache_pattern", "fio": "fio",
           "lmcache-engines": "lmcache_engines", "lmcache-local-disk": "lmcache_local_disk",
-          "vllm": "vllm_tier",
+          "vllm": "vllm_tier", "sglang": "sglang_hicache",
           "small-files": "small_file_commits", "metadata": "metadata_and_scaling",
           "cold-prompt": "cold_prompt"}
 READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory",
@@ -96,6 +98,8 @@ VLLM_LOOKUP = "first lookups on a fresh mount (os.path.exists)"
 # its run-to-run swing on these VMs (plain 1.2-2.7 GB/s) outweighs three pairs.
 VLLM_STORE_PAIRS = 8
 VLLM_STORES = "2 MiB blocks, O_DIRECT: store, back to back"
+SGLANG_SECTION = "SGLang HiCache file backend (its own HiCacheFile, separate processes)"
+SGLANG_PAGE_MIB = 8  # a page of Llama-3.1-8B bf16, 64 tokens, TP 1
 TREE_FILES_EACH = 4  # files per directory of the walked tree
 TREE_WALKS = (("du -s", ["du", "-s", "{root}"]),
               ("find -size +1", ["find", "{root}", "-size", "+1"]),
@@ -657,6 +661,36 @@ class Bench:
                         target, cpu_used / (3 * self.plan.data_bytes / 2**30),
                         higher_is_better=False)
 
+    def sglang_hicache(self) -> None:
+        """SGLang's HiCache `file` backend (tests/sglang_hicache.py): one process stores the
+        data set in 8 MiB pages; then, on a fresh mount, another looks them up and loads them
+        cold (page cache dropped) and again (warm)."""
+        with self.stage(SGLANG_SECTION):
+            if not SGLANG_DIR.is_dir():
+                self.note(f"{SGLANG_DIR} is missing (scripts/setup.sh fetches it): SGLang "
+                          f"benchmarks skipped")
+                return
+            pages = self.plan.data_bytes // (SGLANG_PAGE_MIB * MIB)
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    root = self.roots[target] / f"sglang-{run}"
+                    self.warm_up_writes(target)
+                    reports = {"store": run_sglang("store", root, pages, seed=run)}
+                    if target == "kvfs":
+                        self.kvfs.remount()
+                    drop_caches()
+                    reports["cold load"] = run_sglang("load", root, pages, seed=run)
+                    reports["warm load"] = run_sglang("load", root, pages, seed=run)
+                    shutil.rmtree(root)
+                    for op, report in reports.items():
+                        problems = {key: len(report[key]) for key in (
+                            "missing", "failed", "vanished", "mismatched") if report.get(key)}
+                        if problems:
+                            self.note(f"SGLang run {run + 1} on {target}, {op}: {problems}")
+                        self.record(f"{SGLANG_PAGE_MIB} MiB pages: {op}", "GB/s", target,
+                                    self.plan.data_bytes / report["seconds"] / 1e9)
+                self.progress(f"SGLang: run {run + 1} done")
+
     def small_file_commits(self) -> None:
         with self.stage("small-file create and commit"):
             for run in range(self.plan.runs):
@@ -846,6 +880,8 @@ RATIO_TARGETS = (
        minimum) for config in VLLM_CONFIGS
       for op, minimum in (("store", 0.85), ("cold load", 0.9), ("warm load", 0.9))),
     (f"vLLM tier {VLLM_STORES}", VLLM_SECTION, VLLM_STORES, 0.85),
+    *((f"SGLang {op}", SGLANG_SECTION, f"{SGLANG_PAGE_MIB} MiB pages: {op}", 0.9)
+      for op in ("store", "cold load", "warm load")),
 )
 CPU_PER_GIB_LIMIT = 0.05  # daemon CPU seconds per GiB read
 LOOKUP_US_LIMIT = 40  # vLLM tier: µs per first-time lookup of a stored block

@@ -49,7 +49,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 import types
@@ -58,6 +57,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from json_worker import run_json
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_DIR = REPO / ".venv" / "sglang-hicache"
@@ -246,15 +246,10 @@ def work(args: argparse.Namespace, errors: list[str]) -> dict[str, Any]:
 def run_worker(op: str, root: Path, pages: int, *, first: int = 0, page_mib: int = 8,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
     """Run `op` in a process of its own; its JSON report."""
-    argv = [sys.executable, __file__, op, "--root", str(root), "--pages", str(pages),
-            "--first", str(first), "--page-mib", str(page_mib), "--seed", str(seed),
-            "--tp-rank", str(tp_rank), "--tp-size", str(tp_size)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode or not lines:
-        raise RuntimeError(f"sglang_hicache.py {op} exited {result.returncode}: "
-                           f"{result.stderr.strip()[-2000:] or 'no output'}")
-    return json.loads(lines[-1])
+    return run_json(Path(__file__), [
+        op, "--root", str(root), "--pages", str(pages), "--first", str(first),
+        "--page-mib", str(page_mib), "--seed", str(seed), "--tp-rank", str(tp_rank),
+        "--tp-size", str(tp_size)])
 
 
 def main() -> int:

@@ -49,7 +49,6 @@ import json
 import logging
 import mmap
 import os
-import subprocess
 import sys
 import time
 import types
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any, NewType
 
 import numpy as np
+from json_worker import run_json
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_DIR = REPO / ".venv" / "vllm-tier"
@@ -324,15 +324,10 @@ def work(args: argparse.Namespace) -> dict[str, Any]:
 def run_worker(op: str, root: Path, blocks: int, *, first: int = 0, block_mib: int = 2,
                seed: int = 0, job_blocks: int = 4, buffered: bool = False) -> dict[str, Any]:
     """Run `op` in a process of its own; its JSON report."""
-    argv = [sys.executable, __file__, op, "--root", str(root), "--blocks", str(blocks),
-            "--first", str(first), "--block-mib", str(block_mib), "--seed", str(seed),
-            "--job-blocks", str(job_blocks), *(["--buffered"] if buffered else [])]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode or not lines:
-        raise RuntimeError(f"vllm_tier.py {op} exited {result.returncode}: "
-                           f"{result.stderr.strip()[-2000:] or 'no output'}")
-    return json.loads(lines[-1])
+    return run_json(Path(__file__), [
+        op, "--root", str(root), "--blocks", str(blocks), "--first", str(first),
+        "--block-mib", str(block_mib), "--seed", str(seed), "--job-blocks", str(job_blocks),
+        *(["--buffered"] if buffered else [])])
 
 
 def main() -> int:
