@@ -50,14 +50,13 @@ import json
 import logging
 import os
 import sys
-import time
 import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from json_worker import run_json
+from json_worker import Collected, run_json, timed
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_DIR = REPO / ".venv" / "sglang-hicache"
@@ -201,23 +200,6 @@ class HiCacheRank:
 
 
 # -- worker processes ------------------------------------------------------------------------
-
-
-class Collected(logging.Handler):
-    """Keeps the messages SGLang's code logs (a failed store, a page not found)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def timed(call: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = call(*args)
-    return result, time.perf_counter() - start
 
 
 def work(args: argparse.Namespace, errors: list[str]) -> dict[str, Any]:

@@ -50,14 +50,13 @@ import logging
 import mmap
 import os
 import sys
-import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NewType
 
 import numpy as np
-from json_worker import run_json
+from json_worker import Collected, run_json, timed
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_DIR = REPO / ".venv" / "vllm-tier"
@@ -276,23 +275,6 @@ class VllmTier:
 
 
 # -- worker processes ------------------------------------------------------------------------
-
-
-class Collected(logging.Handler):
-    """Keeps the messages vLLM's code logs (a failed job, a temp file left behind)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def timed(call: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = call(*args)
-    return result, time.perf_counter() - start
 
 
 def work(args: argparse.Namespace) -> dict[str, Any]:
