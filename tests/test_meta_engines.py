@@ -40,7 +40,7 @@ from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLo
 from kvfs.engines.interface import Engine, RoundTripNeeded, Txn
 from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.engines.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
-from kvfs.engines.redis_engine import RecordCache, RedisEngine, _Cached, _Change, _record_key
+from kvfs.engines.redis_engine import Change, NotCached, RecordCache, RedisEngine, record_key
 from kvfs.engines.write_behind import APPLIED, TAKEN
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
@@ -1284,7 +1284,7 @@ def test_a_batch_applies_each_change_once_whoever_sends_it(redis_server) -> None
     engine = RedisEngine(redis_server.url)
     try:
         def send(first: int, last: int) -> list[int]:
-            changes = [_Change.from_journal(engine, marshal.dumps(
+            changes = [Change.from_journal(engine, marshal.dumps(
                 ({}, {}, [("counters", b"test-%d" % seq, 1)])), engine.id)
                 for seq in range(first, last + 1)]
             return engine.commit_batch(changes, b"%d" % last)
@@ -1686,13 +1686,13 @@ def test_the_record_cache_keeps_what_changed_only_elsewhere() -> None:
     thus stays complete, and new names there are found missing without a round trip."""
     cache = RecordCache()
     cache.enable(True)
-    directory = _record_key("dentry", u64(7))
+    directory = record_key("dentry", u64(7))
     cache.wrote([], cache.changes, [directory])  # made here: complete
-    names = [_record_key("dentry", u64(7) + b"f%d" % n) for n in range(5000)]
+    names = [record_key("dentry", u64(7) + b"f%d" % n) for n in range(5000)]
     written = [(name, u64(100 + n) + u64(n)) for n, name in enumerate(names)]
     cache.wrote(written, cache.changes, [])  # one change, many records
     assert all(cache.get(name) == value for name, value in written)
-    assert cache.get(_record_key("dentry", u64(7) + b"never")) is None  # still complete
+    assert cache.get(record_key("dentry", u64(7) + b"never")) is None  # still complete
 
     mine, other = names[0], names[1]
     moment = cache.changes  # a change of `mine` on its way ...
@@ -1708,4 +1708,4 @@ def test_the_record_cache_keeps_what_changed_only_elsewhere() -> None:
     moment = cache.changes  # another host changes `mine` before this write lands
     cache.pushed([(mine, b"x" * 16)])
     cache.wrote([(mine, b"m" * 16)], moment, [])
-    assert cache.get(mine) is _Cached.MISS  # not known which came last: read again
+    assert cache.get(mine) is NotCached.MISS  # not known which came last: read again

@@ -1,26 +1,9 @@
 """The shared metadata engine: Redis, for a pool that several hosts mount at once.
 
 The same families of ordered byte keys as the embedded engine (kvfs/engines/lmdb_engine.py),
-laid out so that hosts rarely contend (JuiceFS on Redis is the model). Keys, all under one hash tag
-(`{kvfs}`, so that a Redis Cluster keeps them on one node):
-
-    {kvfs}:<family>:<key>              a record (string)
-    {kvfs}:<family>/<partition>        sorted set of the keys of one partition, for scans:
-                                       dirlist, links, xattr, held, holding: one set per
-                                       inode, blob or session (the keys' first 8 bytes, in
-                                       hex); recency: 16 sets by key hash; pins, doomed,
-                                       pending, sessions: one set each
-    {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
-    {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
-    {kvfs}:batch:<engine id>           a write-behind sender's last batch and its answer, so
-                                       that a batch sent again is not applied twice, and
-                                       the reaper of a dead session knows what of its
-                                       journal Redis has (kvfs/engines/write_behind.py); expires
-                                       after a week
-
-Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
-Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
-with SCAN.
+laid out so that hosts rarely contend (JuiceFS on Redis is the model): the key layout, the
+commit script and the announcements' format are in kvfs/engines/redis_layout.py, each host's
+cache of records in kvfs/engines/redis_cache.py.
 
 A change is one optimistic transaction: the change runs against a write buffer, reading
 records with plain GETs (one round trip each, no WATCH); its commit is one script
@@ -58,30 +41,46 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
-import marshal
 import os
 import random
 import struct
 import threading
 import time
-import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from enum import Enum
-from itertools import islice
 from pathlib import Path
-from typing import Literal, NoReturn, TypeVar, cast
+from typing import TypeVar, cast
 from urllib.parse import urlparse
 
-import hiredis
 import redis
-import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvfs.engines.changelog import ChangeLog
-from kvfs.engines.interface import RoundTripNeeded, get_through
+from kvfs.engines.interface import RoundTripNeeded
+from kvfs.engines.redis_cache import Cached, NotCached, RecordCache
+from kvfs.engines.redis_change import Change, Reader
+from kvfs.engines.redis_layout import (
+    ANNOUNCED,
+    CHANGES_CHANNEL,
+    COMMIT_SCRIPT,
+    ENGINE_ID_BYTES,
+    INDEXED,
+    LOOKUP_SCRIPT,
+    PAGE,
+    PARTITIONED,
+    PREFIX,
+    announced,
+    batch_marker,
+    batched,
+    counter_key,
+    keys_of,
+    record_key,
+    replies,
+    reply,
+    set_keys,
+)
 from kvfs.engines.redis_loop import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
@@ -95,11 +94,6 @@ from kvfs.records import FsError, fail
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PREFIX = b"{kvfs}:"
-PARTITIONED = frozenset({"dirlist", "links", "xattr", "held", "holding"})  # by 8-byte prefix
-INDEXED = {"recency": 16, "pins": 1, "doomed": 1, "pending": 1, "sessions": 1}  # -> set count
-COUNTERS = frozenset({"counters", "models"})
-PAGE = 512
 # A change that other hosts' changes of what it read keep from committing runs again for this
 # long before it fails (EAGAIN): contention ends in seconds, but a fixed number of tries
 # fails under heavy churn of one directory on a loaded machine.
@@ -110,23 +104,6 @@ ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
-# Channel of a pool's announcements, per database: Redis delivers a PUBLISH to subscribers on
-# every database of the server, and pools in two databases of one server share inode numbers.
-CHANGES_CHANNEL = PREFIX + b"changes:%d"
-# Families kernels cache -> code in a message (capitals: the message carries the values;
-# hosts of one pool run one kvfs version).
-ANNOUNCED = {"dentry": b"D", "inode": b"I"}
-_FAMILY_OF_CODE = {code: family for family, code in ANNOUNCED.items()}
-_DENTRY_PREFIX_LENGTH = len(PREFIX + b"dentry:") + 8  # a dentry record's family and parent
-_KEY_LENGTH = struct.Struct(">H")
-_VALUE_LENGTH = struct.Struct(">I")
-REMOVED = 0xFFFFFFFF  # a value length: the record was removed
-ENGINE_ID_BYTES = 8
-JOURNAL_MARSHAL_VERSION = 4
-# A batch marker outlives its sender by this long: a dead session reaped later (every host down
-# meanwhile) would take its journal's applied changes for unsent ones (their commit checks
-# would then find them stale: counted as not applied).
-MARKER_MS = 7 * 24 * 3600 * 1000
 REPLAY_BATCH = 1000  # journaled changes per script call when a dead session's are applied
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # After a wake-up the watcher lets announcements gather this long before it reads again: a
@@ -134,597 +111,6 @@ WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # from the loop (a store's announcements are read in one wake-up instead; the
 # first of a burst is still read at once).
 WATCH_GATHER_SECONDS = 0.005
-CACHED_RECORDS = 100_000  # of the ANNOUNCED families, per host (the oldest go first)
-# A batch of changes, each checked against what the ones before it left and applied only if
-# every record it read still holds what it read; returns 1 (applied) or 0 per change. ARGV: the
-# batch's token ("" for none), how many changes, then per change: its key count, its argument
-# count and its arguments: how many records it read, what each held ("" if absent, else "=" +
-# value), then per write: op, key index among its keys (0: none), a, b. KEYS: the sender's
-# marker (with a token), then per change the records it read and one per write. The
-# announcements of the changes applied go out as one message. With a token, the marker keeps
-# the batch's answer: a batch sent again (its first reply never came) answers the same without
-# applying anything twice. (A single commit is a batch of one, without a token: `batched`.)
-# A token is the sequence number of the batch's last change, its changes the ones after the
-# previous batch's: where the marker is past the first of them, another sent those already
-# under this sender's name (the reaper of a session declared dead while its host was only
-# stalled, or that host once awake): they are neither checked nor applied, and answered 2.
-COMMIT_SCRIPT = """
-local token, count, applied, at, base, channel, message = ARGV[1], tonumber(ARGV[2]), {}, 3, 0
-local taken, last = 0, 0
-if token ~= '' then
-  base = 1
-  local done = redis.call('GET', KEYS[1])
-  if done then
-    local colon = string.find(done, ':', 1, true)
-    if string.sub(done, 1, colon) == token .. ':' then
-      for i = colon + 1, #done do applied[#applied + 1] = tonumber(string.sub(done, i, i)) end
-      return applied
-    end
-    last = tonumber(string.sub(done, 1, colon - 1))
-    taken = last - (tonumber(token) - count)
-  end
-end
-for c = 1, count do
-  local keys, args, first = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), at + 2
-  local read, ok = tonumber(ARGV[first]), 1
-  if c <= taken then
-    ok = 2
-  else
-    for i = 1, read do
-      local held, now = ARGV[first + i], redis.call('GET', KEYS[base + i])
-      if held == '' then
-        if now then ok = 0 break end
-      elseif now ~= string.sub(held, 2) then
-        ok = 0 break
-      end
-    end
-  end
-  if ok == 1 then
-    for w = first + read + 1, first + args - 1, 4 do
-      local op, key, a, b = ARGV[w], KEYS[base + tonumber(ARGV[w + 1])], ARGV[w + 2], ARGV[w + 3]
-      if op == 'S' then redis.call('SET', key, a)
-      elseif op == 'D' then redis.call('DEL', key)
-      elseif op == 'Z' then redis.call('ZADD', key, 0, a)
-      elseif op == 'R' then redis.call('ZREM', key, a)
-      elseif op == 'I' then redis.call('HINCRBY', key, a, b)
-      elseif op == 'H' then redis.call('HDEL', key, a)
-      elseif op == 'P' then  -- (one message for the batch: the engine id once)
-        if message then message = message .. string.sub(b, ID_END) else channel, message = a, b end
-      end
-    end
-  end
-  applied[c] = ok
-  at, base = first + args, base + keys
-end
-if message then redis.call('PUBLISH', channel, message) end
-if token ~= '' and tonumber(token) > last then
-  redis.call('SET', KEYS[1], token .. ':' .. table.concat(applied), 'PX', MARKER_MS)
-end
-return applied
-""".replace("ID_END", str(ENGINE_ID_BYTES + 1)).replace("MARKER_MS", str(MARKER_MS))
-# A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
-LOOKUP_SCRIPT = """
-local entry = redis.call('GET', KEYS[1])
-if not entry then return {false, false} end
-return {entry, redis.call('GET', ARGV[1] .. string.sub(entry, 1, 8))}
-"""
-
-
-# The client is made without decode_responses (redis-py's default: False), so every reply
-# is bytes; redis-py's annotations cover both settings (bytes | str). Replies are narrowed
-# here, once, for the type checker (casts: nothing changes at run time).
-
-
-def _reply(reply: bytes | str | None) -> bytes | None:
-    return cast("bytes | None", reply)
-
-
-def _replies(replies: list[bytes | str | None]) -> list[bytes | None]:
-    return cast("list[bytes | None]", replies)
-
-
-def _keys(replies: list[bytes | str]) -> list[bytes]:
-    return cast("list[bytes]", replies)
-
-
-def _record_key(family: str, key: bytes) -> bytes:
-    return PREFIX + family.encode() + b":" + key
-
-
-def _partition_key(family: str, key: bytes) -> bytes:
-    """The sorted set of a PARTITIONED family that indexes `key`."""
-    return PREFIX + family.encode() + b"/" + key[:8].hex().encode()
-
-
-def _set_key(family: str, key: bytes) -> bytes | None:
-    """The sorted set that indexes `key` of `family`, if the family has sets."""
-    if family in PARTITIONED:
-        return _partition_key(family, key)
-    shards = INDEXED.get(family)
-    if shards is None:
-        return None
-    shard = zlib.crc32(key) % shards if shards > 1 else 0
-    return PREFIX + family.encode() + b"/" + str(shard).encode()
-
-
-def _set_keys(family: str, start: bytes) -> list[bytes]:
-    """The sets a scan of `family` from `start` walks."""
-    if family in PARTITIONED:
-        return [_partition_key(family, start.ljust(8, b"\0"))]
-    return [PREFIX + family.encode() + b"/" + str(shard).encode()
-            for shard in range(INDEXED[family])]
-
-
-def _counter_key(family: str) -> bytes:
-    return PREFIX + family.encode()
-
-
-def _batch_marker(sender: bytes) -> bytes:
-    """Where a write-behind sender's last batch and its answer are kept."""
-    return PREFIX + b"batch:" + sender.hex().encode()
-
-
-ScriptCall = tuple[list[bytes], list[bytes | int]]  # a change's part of COMMIT_SCRIPT's call
-
-
-def batched(calls: list[ScriptCall], marker: bytes = b"", token: bytes = b"") -> ScriptCall:
-    """COMMIT_SCRIPT's keys and arguments for changes checked and applied in this order
-    (with a `token` kept in `marker`: a batch that may be sent again)."""
-    keys: list[bytes] = [marker] if token else []
-    args: list[bytes | int] = [token, len(calls)]
-    for change_keys, change_args in calls:
-        keys += change_keys
-        args += [len(change_keys), len(change_args), *change_args]
-    return keys, args
-
-
-def _complete_prefix(record: bytes) -> bytes:
-    """The prefix a record of a directory's entries shares with its siblings (`known_empty`):
-    the family's and the parent's 8 bytes."""
-    return record[:_DENTRY_PREFIX_LENGTH]
-
-
-def announcement(engine_id: bytes, changed: list[tuple[str, bytes, bytes | None]]) -> bytes:
-    """The message that tells other hosts which records a change wrote, and what (None:
-    removed): per record its family's code, the key and the value, each with its length."""
-    return engine_id + b"".join(
-        ANNOUNCED[family] + _KEY_LENGTH.pack(len(key)) + key
-        + (_VALUE_LENGTH.pack(REMOVED) if value is None
-           else _VALUE_LENGTH.pack(len(value)) + value)
-        for family, key, value in changed)
-
-
-def announced(message: bytes) -> tuple[bytes, list[tuple[str, bytes, bytes | None]]]:
-    """(engine id, [(family, key, value)]) of an announcement."""
-    changed: list[tuple[str, bytes, bytes | None]] = []
-    at = ENGINE_ID_BYTES
-    while at < len(message):
-        family = _FAMILY_OF_CODE[message[at:at + 1]]
-        (length,) = _KEY_LENGTH.unpack_from(message, at + 1)
-        at += 1 + _KEY_LENGTH.size
-        key = message[at:at + length]
-        (size,) = _VALUE_LENGTH.unpack_from(message, at + length)
-        at += length + _VALUE_LENGTH.size
-        if size == REMOVED:
-            changed.append((family, key, None))
-        else:
-            changed.append((family, key, message[at:at + size]))
-            at += size
-        if at > len(message):
-            raise struct.error("an announcement cut short")
-    return message[:ENGINE_ID_BYTES], changed
-
-
-class _Cached(Enum):
-    MISS = 0  # not in the cache (None there is a record known to be absent)
-
-
-Cached = bytes | None | Literal[_Cached.MISS]
-
-
-class RecordCache:
-    """What this host last read, wrote or was pushed of the records kernels cache
-    (ANNOUNCED: names and attributes), kept only while other hosts' announcements reach this
-    host (`enable`). Changes read from it: their commit script checks each read, so a stale
-    one makes the change run again (`RedisEngine.change` drops what it read), never go
-    wrong. The kernel's lookups and getattrs read from it too (`cached` snapshots).
-
-    How it stays true: changes are counted, each record remembers the count at its last
-    change, and a read (or this host's write) is kept only if its record did not change
-    while it was on its way (the count, `changes`, taken before it set out).
-    Announcements come in commit order and carry the values written: one sets the record
-    when it is absent or was set by an earlier announcement, and drops it otherwise (what
-    this host read or wrote itself cannot be ordered against it). Thread-safe: the daemon's
-    worker threads and the watcher share one.
-
-    A directory this host made starts out complete (`known_empty`): every entry it gains is
-    written here or announced, so a name missing from the cache is missing from the
-    directory, and lookups of new names there (a store's) need no round trip. It stays
-    complete until one of its entries leaves the cache (evicted, or dropped as uncertain)."""
-
-    def __init__(self) -> None:
-        self._records: dict[bytes, bytes | None] = {}  # oldest first (evicted first)
-        self._pushed: set[bytes] = set()  # records whose value came with an announcement
-        self._complete: set[bytes] = set()  # record prefixes whose every record is here
-        # record -> `changes` at its last change, oldest first; records forgotten here
-        # (past CACHED_RECORDS) changed at `_forgotten` at the latest.
-        self._changed: dict[bytes, int] = {}
-        self._forgotten = 0
-        self._lock = threading.Lock()
-        self._on = False
-        self.changes = 0  # of any record: taken before a read or write sets out
-
-    @staticmethod
-    def cacheable(family: str) -> bool:
-        return family in ANNOUNCED
-
-    def get(self, record: bytes) -> Cached:
-        found = self._records.get(record, _Cached.MISS)
-        if found is _Cached.MISS and _complete_prefix(record) in self._complete:
-            return None  # (`_pop` leaves the complete set before the record goes)
-        return found
-
-    def _quiet_since(self, record: bytes, moment: int) -> bool:
-        """(lock held) Whether `record` has not changed since `changes` was `moment`."""
-        return self._changed.get(record, self._forgotten) <= moment
-
-    def _mark_changed(self, records: Iterable[bytes]) -> None:
-        """(lock held) One more change, of these records."""
-        self.changes += 1
-        for record in records:
-            self._changed.pop(record, None)  # (moved to the end: the newest)
-            self._changed[record] = self.changes
-        if len(self._changed) > CACHED_RECORDS:  # forget the oldest tenth
-            for record in list(islice(self._changed, CACHED_RECORDS // 10)):
-                self._forgotten = self._changed.pop(record)
-
-    def keep(self, records: list[bytes], values: list[bytes | None], moment: int) -> None:
-        """Keep what a read that set out when `changes` was `moment` found, except records
-        changed meanwhile (also a record whose key the read only learnt on its way)."""
-        if not self._on:
-            return
-        with self._lock:
-            for record, value in zip(records, values, strict=True):
-                if self._quiet_since(record, moment):
-                    self._set(record, value)
-
-    def wrote(self, written: list[tuple[bytes, bytes | None]], moment: int,
-              emptied: list[bytes]) -> None:
-        """A change of this host's, which set out when `changes` was `moment`, committed
-        these (record, value): reads on their way are stale; each value is kept unless its
-        record changed meanwhile. `emptied`: record prefixes it made that no record had (a
-        new directory's)."""
-        with self._lock:
-            if self._on:
-                self._complete.update(emptied)
-            for record, value in written:
-                if self._on and self._quiet_since(record, moment):
-                    self._set(record, value)
-                else:
-                    self._pop(record)
-            self._mark_changed(record for record, _ in written)
-
-    def pushed(self, written: list[tuple[bytes, bytes | None]]) -> None:
-        """Another host committed these (record, value), announced in commit order."""
-        with self._lock:
-            for record, value in written:
-                if self._on and (record in self._pushed or record not in self._records):
-                    self._set(record, value)
-                    self._pushed.add(record)
-                else:
-                    self._pop(record)
-            self._mark_changed(record for record, _ in written)
-
-    def drop(self, records: Iterable[bytes]) -> None:
-        """A change of this host's found these stale."""
-        with self._lock:
-            dropped = list(records)
-            for record in dropped:
-                self._pop(record)
-            self._mark_changed(dropped)
-
-    def enable(self, on: bool) -> None:
-        """On once announcements reach this host, off when they may not: either way what
-        is kept goes (announcements were missed meanwhile)."""
-        with self._lock:
-            self._complete.clear()
-            self._records.clear()
-            self._pushed.clear()
-            self._changed.clear()
-            self.changes += 1
-            self._forgotten = self.changes  # (every read on its way is stale)
-            self._on = on
-
-    def _set(self, record: bytes, value: bytes | None) -> None:
-        """(lock held) Set a record read or written here; the oldest go past the limit."""
-        self._pushed.discard(record)
-        self._records[record] = value
-        while len(self._records) > CACHED_RECORDS:
-            oldest = next(iter(self._records))
-            if self._records[oldest] is None:  # (still absent: its directory stays complete)
-                del self._records[oldest]
-                self._pushed.discard(oldest)
-            else:
-                self._pop(oldest)
-
-    def _pop(self, record: bytes) -> None:
-        self._complete.discard(_complete_prefix(record))
-        self._records.pop(record, None)
-        self._pushed.discard(record)
-
-
-class _Reader:
-    """Reads straight from Redis (or, `cached`, from the cache where it has the record):
-    what a snapshot is for this engine (no isolation; the metadata store rereads where two
-    records must agree)."""
-
-    def __init__(self, engine: RedisEngine, cached: bool) -> None:
-        self.engine = engine
-        self.client = engine.client
-        self.cached = cached
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def get(self, family: str, key: bytes) -> bytes | None:
-        return self.engine.read(family, [_record_key(family, key)], self.cached)[0]
-
-    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
-        return self.engine.read(family, [_record_key(family, key) for key in keys],
-                                self.cached)
-
-    def get_through(self, family: str, key: bytes, to_family: str
-                    ) -> tuple[bytes | None, bytes | None]:
-        return self.engine.read_through(family, key, to_family, self.cached)
-
-    def count(self, family: str, key: bytes) -> int:
-        self.engine.caught_up()
-        raw = self.engine.call(self.client.hget, _counter_key(family), key)
-        return int(raw) if raw is not None else 0
-
-    def counts(self, family: str) -> dict[bytes, int]:
-        self.engine.caught_up()
-        raw = cast("dict[bytes, bytes]",  # bytes replies (see _reply)
-                   self.engine.call(self.client.hgetall, _counter_key(family)))
-        return {key: int(value) for key, value in sorted(raw.items())}
-
-    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
-        yield from self.engine.scan_stored(self.client, family, start)
-
-    def put(self, *args: object, **kwargs: object) -> NoReturn:
-        raise TypeError("snapshots are read-only")
-
-    delete = pop = clear = add = discard = known_empty = agree_first = put
-
-
-class _Change:
-    """A transaction: reads are remembered and checked again at commit (COMMIT_SCRIPT);
-    writes wait in a buffer until then."""
-
-    def __init__(self, engine: RedisEngine, pipe: redis.client.Pipeline) -> None:
-        self.engine = engine
-        self.client = engine.client
-        self.pipe = pipe  # WATCHes the partitions a scan walks (rare), and commits then
-        self.writes: dict[tuple[str, bytes], bytes | None] = {}
-        self.adds: list[tuple[str, bytes, int]] = []
-        self.cleared: set[str] = set()
-        self.watched: set[bytes] = set()
-        self.read: dict[bytes, bytes | None] = {}  # records read so far -> what they held
-        self.emptied: list[bytes] = []  # key prefixes (records) with no record yet
-        self.agreed = False  # `agree_first`: never answered ahead of Redis
-        self.function: Callable[[_Change], object] | None = None  # (answered ahead: to redo)
-        self.announcer = engine.id  # whose change other hosts are told it is
-
-    def journaled(self) -> bytes:
-        """What the write-behind journal keeps of a change answered ahead (one that scanned
-        nothing and cleared nothing: the loop's changes cannot): what its commit checks and
-        applies (`from_journal`)."""
-        return marshal.dumps((self.read, self.writes, self.adds), JOURNAL_MARSHAL_VERSION)
-
-    @classmethod
-    def from_journal(cls, engine: RedisEngine, payload: bytes, announcer: bytes) -> _Change:
-        """A journaled change, to commit again (announced as `announcer`'s)."""
-        with engine.client.pipeline(transaction=True) as pipe:  # (never used)
-            change = cls(engine, pipe)
-        change.read, change.writes, change.adds = marshal.loads(payload)
-        change.announcer = announcer
-        return change
-
-    def get(self, family: str, key: bytes) -> bytes | None:
-        if (family, key) in self.writes:
-            return self.writes[family, key]
-        if family in self.cleared:
-            return None
-        record = _record_key(family, key)
-        if record not in self.read:
-            self.read[record] = self.engine.read(family, [record])[0]
-        return self.read[record]
-
-    def get_many(self, family: str, keys: list[bytes]) -> list[bytes | None]:
-        if family in self.cleared:
-            return [self.writes.get((family, key)) for key in keys]
-        records = {key: _record_key(family, key) for key in keys
-                   if (family, key) not in self.writes}
-        unread = [record for record in records.values() if record not in self.read]
-        if unread:
-            self.read.update(zip(unread, self.engine.read(family, unread), strict=True))
-        return [self.writes[family, key] if (family, key) in self.writes
-                else self.read[records[key]] for key in keys]
-
-    def get_through(self, family: str, key: bytes, to_family: str
-                    ) -> tuple[bytes | None, bytes | None]:
-        record = _record_key(family, key)
-        if (family, key) in self.writes or record in self.read:
-            return get_through(self, family, key, to_family)
-        entry, referred = self.engine.read_through(family, key, to_family)
-        self.read[record] = entry
-        if entry is None:
-            return None, None
-        # (what this change wrote or read before of the second record stays its answer)
-        self.read.setdefault(_record_key(to_family, bytes(entry[:8])), referred)
-        return entry, self.get(to_family, bytes(entry[:8]))
-
-    def put(self, family: str, key: bytes, value: bytes) -> None:
-        self.writes[family, bytes(key)] = bytes(value)
-
-    def delete(self, family: str, key: bytes) -> bool:
-        return self.pop(family, key) is not None
-
-    def pop(self, family: str, key: bytes) -> bytes | None:
-        value = self.get(family, key)
-        self.writes[family, bytes(key)] = None
-        return value
-
-    def discard(self, family: str, key: bytes) -> None:
-        self.writes[family, bytes(key)] = None
-
-    def known_empty(self, family: str, prefix: bytes) -> None:
-        if self.engine.cache.cacheable(family):
-            self.emptied.append(_record_key(family, prefix))
-
-    def agree_first(self) -> None:
-        self.agreed = True
-
-    def record_writes(self) -> list[tuple[bytes, bytes | None]]:
-        """(Redis key, value or None) of each record it writes (counters aside)."""
-        return [(_record_key(family, key), value) for (family, key), value in self.writes.items()
-                if family not in COUNTERS]
-
-    def count(self, family: str, key: bytes) -> int:
-        raise TypeError("counters are added to, not read, inside a change")
-
-    def add(self, family: str, key: bytes, delta: int) -> None:
-        self.adds.append((family, bytes(key), delta))
-
-    def clear(self, family: str) -> None:
-        for key, _ in list(self.scan(family)):
-            self.writes[family, key] = None
-        if family in COUNTERS:
-            self.cleared.add(family)
-
-    def counts(self, family: str) -> dict[bytes, int]:
-        raise TypeError("counters are added to, not read, inside a change")
-
-    def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
-        self.engine.round_trip_allowed()
-        if family in PARTITIONED or family in INDEXED:
-            unwatched = [key for key in _set_keys(family, start) if key not in self.watched]
-            if unwatched:
-                self.watched.update(unwatched)
-                self.pipe.watch(*unwatched)
-            stored = self.engine.scan_stored(self.pipe, family, start)
-        else:
-            stored = self.engine.scan_stored(self.client, family, start)
-        buffered = sorted((key, value) for (f, key), value in self.writes.items()
-                          if f == family and key >= start)
-        last = None
-        for key, _, value in heapq.merge(((k, 1, v) for k, v in stored),
-                                         ((k, 0, v) for k, v in buffered)):
-            if key == last:
-                continue  # this change's own write of the key came first
-            last = key
-            if value is not None:
-                yield key, value
-
-    def script_call(self, with_writes: bool) -> ScriptCall:
-        """COMMIT_SCRIPT's keys and arguments: the checks, and the writes if `with_writes`."""
-        keys = list(self.read)
-        args: list[bytes | int] = [len(keys)]
-        args += [b"" if held is None else b"=" + held for held in self.read.values()]
-        if not with_writes:
-            return keys, args
-
-        def op(code: bytes, key: bytes | None, a: bytes = b"", b: bytes | int = 0) -> None:
-            if key is not None:
-                keys.append(key)
-            args.extend((code, len(keys) if key is not None else 0, a, b))
-
-        for family in self.cleared:
-            op(b"D", _counter_key(family))
-        for (family, key), value in self.writes.items():
-            set_key = _set_key(family, key)
-            if family in COUNTERS:
-                if value is None:
-                    op(b"H", _counter_key(family), key)
-            elif value is None:
-                op(b"D", _record_key(family, key))
-                if set_key is not None:
-                    op(b"R", set_key, key)
-            else:
-                op(b"S", _record_key(family, key), value)
-                if set_key is not None:
-                    op(b"Z", set_key, key)
-        for family, key, delta in self.adds:
-            op(b"I", _counter_key(family), key, delta)
-        changed = [(family, key, value) for (family, key), value in self.writes.items()
-                   if family in ANNOUNCED]
-        if changed:
-            op(b"P", None, self.engine.channel, announcement(self.announcer, changed))
-        return keys, args
-
-    def _run_script(self, with_writes: bool) -> bool:
-        """Whether nothing the change read (records, and scanned partitions) has changed;
-        if so, and `with_writes`, its writes are applied in the same step."""
-        keys, args = batched([self.script_call(with_writes)])
-        if not self.watched:
-            return self.engine.commit_script(keys, args) == [1]
-        self.pipe.multi()
-        self.engine.commit_script(keys, args, client=self.pipe)
-        try:
-            [applied] = self.pipe.execute()
-        except redis.WatchError:
-            return False
-        return applied == [1]
-
-    def commit(self) -> None:
-        written, moment = self.cached_writes()
-        try:
-            applied = self._run_script(with_writes=True)
-        except BaseException:
-            self._outcome_unknown(written)
-            raise
-        self._committed(applied, written, moment)
-
-    async def commit_on_loop(self, connection: LoopConnection) -> None:
-        """`commit` from the trio loop (for a change that scanned nothing)."""
-        written, moment = self.cached_writes()
-        keys, args = batched([self.script_call(with_writes=True)])
-        try:
-            with trio.CancelScope(shield=True):  # once sent, a commit is seen through
-                applied = await connection.script(self.engine.commit_script.sha, COMMIT_SCRIPT,
-                                                  keys, args)
-        except hiredis.ReplyError as error:
-            if str(error).startswith("OOM"):  # (past maxmemory: refused, not run)
-                raise fail(errno.ENOSPC) from None
-            self._outcome_unknown(written)
-            raise
-        except BaseException:
-            self._outcome_unknown(written)
-            raise
-        self._committed(applied == [1], written, moment)
-
-    def cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
-        """What the commit writes of the cached families, and the cache's count of changes
-        before it."""
-        cache = self.engine.cache
-        written = [(_record_key(family, key), value)
-                   for (family, key), value in self.writes.items() if cache.cacheable(family)]
-        return written, cache.changes
-
-    def _outcome_unknown(self, written: list[tuple[bytes, bytes | None]]) -> None:
-        self.engine.cache.drop(record for record, _ in written)  # applied or not: not known
-
-    def _committed(self, applied: bool, written: list[tuple[bytes, bytes | None]],
-                   moment: int) -> None:
-        if not applied:
-            raise redis.WatchError("a record this change read has changed")
-        self.engine.cache.wrote(written, moment, self.emptied)
-
-    def still_valid(self) -> bool:
-        return self._run_script(with_writes=False)
 
 
 class RedisEngine:
@@ -751,7 +137,7 @@ class RedisEngine:
         self.loop_connection = LoopConnection(url)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
-        self.behind: WriteBehind[_Change] | None = None  # (`write_behind`)
+        self.behind: WriteBehind[Change] | None = None  # (`write_behind`)
         self._changed: Callable[[str, bytes], None] | None = None  # (`watch`'s callback)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
@@ -793,22 +179,22 @@ class RedisEngine:
 
     # -- the Engine interface ------------------------------------------------------------
 
-    def snapshot(self, cached: bool = False) -> _Reader:
-        return _Reader(self, cached)
+    def snapshot(self, cached: bool = False) -> Reader:
+        return Reader(self, cached)
 
-    def change(self, change: Callable[[_Change], T]) -> T:
+    def change(self, change: Callable[[Change], T]) -> T:
         pending = getattr(self._on_loop, "pending", None)
         if pending is not None:
             return self._change_for_loop(change, pending)
         self.caught_up()  # (write-behind: after what this host answered before)
         return self._change(change)
 
-    def _change(self, change: Callable[[_Change], T]) -> T:
+    def _change(self, change: Callable[[Change], T]) -> T:
         deadline = time.monotonic() + CHANGE_SECONDS
         attempt = 0
         while True:
             with self.client.pipeline(transaction=True) as pipe:
-                txn = _Change(self, pipe)
+                txn = Change(self, pipe)
                 try:
                     result = self.call(change, txn)
                     self.call(txn.commit)
@@ -838,7 +224,7 @@ class RedisEngine:
         view it came from), a conflict."""
         if time.monotonic() < self._down_until:
             raise fail(errno.EIO)
-        pending: list[_Change] = []  # (the one change, once `function` has made it)
+        pending: list[Change] = []  # (the one change, once `function` has made it)
         self._on_loop.pending = pending
         try:
             with self.from_memory():
@@ -869,18 +255,18 @@ class RedisEngine:
             self._came_back()
         return result
 
-    def _answer_ahead(self, txn: _Change, behind: WriteBehind[_Change]) -> None:
+    def _answer_ahead(self, txn: Change, behind: WriteBehind[Change]) -> None:
         """Answer `txn` before Redis has it: it joins the write-behind queue."""
         written, moment = txn.cached_writes()
         behind.queue(txn)
         self.cache.wrote(written, moment, txn.emptied)
 
-    def _change_for_loop(self, change: Callable[[_Change], T], pending: list[_Change]) -> T:
+    def _change_for_loop(self, change: Callable[[Change], T], pending: list[Change]) -> T:
         """(`change_on_loop`) Run `change` from the cache; its commit joins `pending`."""
         if pending:  # (a second change would read the first one's writes before they land)
             raise RoundTripNeeded
         with self.client.pipeline(transaction=True) as pipe:  # (no round trip: never used)
-            txn = _Change(self, pipe)
+            txn = Change(self, pipe)
             try:
                 result = change(txn)
             except RoundTripNeeded:
@@ -900,14 +286,14 @@ class RedisEngine:
         ahead, kept = self._known_here(family)
         if not ahead and not kept:
             return self._fetch(records)
-        found: list[Cached] = [_Cached.MISS] * len(records)
+        found: list[Cached] = [NotCached.MISS] * len(records)
         if ahead:
-            found = [ahead.get(record, _Cached.MISS) for record in records]
+            found = [ahead.get(record, NotCached.MISS) for record in records]
         if kept and cached:
-            found = [self.cache.get(record) if value is _Cached.MISS else value
+            found = [self.cache.get(record) if value is NotCached.MISS else value
                      for record, value in zip(records, found, strict=True)]
         missing = [record for record, value in zip(records, found, strict=True)
-                   if value is _Cached.MISS]
+                   if value is NotCached.MISS]
         if not missing:
             return cast("list[bytes | None]", found)
         moment = self.cache.changes
@@ -915,7 +301,7 @@ class RedisEngine:
         if kept:
             self.cache.keep(missing, fetched, moment)
         by_record = dict(zip(missing, fetched, strict=True))
-        return [by_record[record] if value is _Cached.MISS else value
+        return [by_record[record] if value is NotCached.MISS else value
                 for record, value in zip(records, found, strict=True)]
 
     def _known_here(self, family: str) -> tuple[dict[bytes, bytes | None], bool]:
@@ -942,25 +328,25 @@ class RedisEngine:
 
     def _fetch(self, records: list[bytes]) -> list[bytes | None]:
         if len(records) == 1:
-            return [_reply(self.call(self.client.get, records[0]))]
-        return _replies(self.call(self.client.mget, records)) if records else []
+            return [reply(self.call(self.client.get, records[0]))]
+        return replies(self.call(self.client.mget, records)) if records else []
 
     def read_through(self, family: str, key: bytes, to_family: str, cached: bool = True
                      ) -> tuple[bytes | None, bytes | None]:
         """A record and the `to_family` record its value's first 8 bytes name (a name's
         entry and its inode): from the cache (`cached`, as in `read`), or in one round trip
         (a script)."""
-        record = _record_key(family, key)
+        record = record_key(family, key)
         ahead, kept = self._known_here(family)
-        entry = ahead.get(record, _Cached.MISS)
-        if entry is _Cached.MISS and kept and cached:
+        entry = ahead.get(record, NotCached.MISS)
+        if entry is NotCached.MISS and kept and cached:
             entry = self.cache.get(record)
-        if entry is not _Cached.MISS:
+        if entry is not NotCached.MISS:
             if entry is None:
                 return None, None
-            return entry, self.read(to_family, [_record_key(to_family, bytes(entry[:8]))],
+            return entry, self.read(to_family, [record_key(to_family, bytes(entry[:8]))],
                                     cached)[0]
-        prefix = _record_key(to_family, b"")
+        prefix = record_key(to_family, b"")
         moment = self.cache.changes
         fetched, referred = self.call(self.lookup_script, [record], [prefix])
         if kept:
@@ -976,7 +362,7 @@ class RedisEngine:
 
     def allocate(self, key: bytes, count: int) -> int:
         """Add `count` to the counter `key`; returns its new value."""
-        return self.call(self.client.hincrby, _counter_key("counters"), key, count)
+        return self.call(self.client.hincrby, counter_key("counters"), key, count)
 
     def has_room(self) -> bool:
         """Below Redis's maxmemory (if it has one), with room left for removals: as the
@@ -1004,7 +390,7 @@ class RedisEngine:
     # -- write-behind ----------------------------------------------------------------------
 
     def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
-                     journal: Path) -> WriteBehind[_Change]:
+                     journal: Path) -> WriteBehind[Change]:
         self.behind = WriteBehind(self, gather_seconds, sync_volume, ChangeLog(journal))
         return self.behind
 
@@ -1021,13 +407,13 @@ class RedisEngine:
         first = journal.first()
         if first is None:
             return 0, 0
-        marker = _reply(self.call(self.client.get, _batch_marker(sender)))
+        marker = reply(self.call(self.client.get, batch_marker(sender)))
         sent = int(marker.split(b":")[0]) if marker else 0
         records = [(seq, payload) for seq, payload, _ in journal.records(max(sent, first - 1))]
         answers: Counter[int] = Counter()
         for start in range(0, len(records) if same_boot else 0, REPLAY_BATCH):
             part = records[start:start + REPLAY_BATCH]
-            changes = [_Change.from_journal(self, payload, sender) for _, payload in part]
+            changes = [Change.from_journal(self, payload, sender) for _, payload in part]
             answers.update(self.commit_batch(changes, b"%d" % part[-1][0], sender))
         journal.drop_all()
         return answers[APPLIED], len(records) - answers[APPLIED] - answers[TAKEN]
@@ -1042,7 +428,7 @@ class RedisEngine:
         """Whether the last request found Redis unreachable (for DOWN_SECONDS)."""
         return time.monotonic() < self._down_until
 
-    def commit_batch(self, batch: list[_Change], token: bytes, sender: bytes | None = None
+    def commit_batch(self, batch: list[Change], token: bytes, sender: bytes | None = None
                      ) -> list[int]:
         """Check and apply `batch` in order, in one script call: APPLIED, STALE or TAKEN
         (sent already under this sender's name, COMMIT_SCRIPT) per change.
@@ -1050,7 +436,7 @@ class RedisEngine:
         first time, applying nothing twice. `sender`: the engine whose batch it is (this
         one's, or a dead session's being replayed)."""
         keys, args = batched([change.script_call(with_writes=True) for change in batch],
-                             _batch_marker(sender or self.id), token)
+                             batch_marker(sender or self.id), token)
         return cast("list[int]", self.call(self._commit_packed, keys, args))
 
     def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:
@@ -1073,13 +459,13 @@ class RedisEngine:
         finally:
             pool.release(connection)
 
-    def forget_ahead(self, change: _Change) -> None:
+    def forget_ahead(self, change: Change) -> None:
         """What `change` wrote ahead of Redis, which Redis holds otherwise now: out of the
         cache (before its queued values stop answering reads)."""
-        self.cache.drop(_record_key(family, key) for family, key in change.writes
+        self.cache.drop(record_key(family, key) for family, key in change.writes
                         if family in ANNOUNCED)
 
-    def unsee_ahead(self, change: _Change) -> None:
+    def unsee_ahead(self, change: Change) -> None:
         """... and the names and attributes it wrote out of this host's kernel (after)."""
         if self._changed is not None:
             for family, key in change.writes:
@@ -1142,7 +528,7 @@ class RedisEngine:
         except (KeyError, struct.error):
             log.error("an announcement that is not one: %r", message[:64])
             return
-        self.cache.pushed([(_record_key(family, key), value)  # before the kernel re-asks
+        self.cache.pushed([(record_key(family, key), value)  # before the kernel re-asks
                            for family, key, value in records])
         for family, key, _ in records:
             try:
@@ -1176,27 +562,27 @@ class RedisEngine:
         family: up to the end of start's partition)."""
         self.caught_up()
         if family in PARTITIONED or family in INDEXED:
-            streams = [self._walk_set(conn, set_key, family, start)
-                       for set_key in _set_keys(family, start)]
+            streams = [self._walk_set(conn, index_set, family, start)
+                       for index_set in set_keys(family, start)]
             yield from streams[0] if len(streams) == 1 else heapq.merge(*streams)
             return
-        keys = sorted(key[len(_record_key(family, b"")):] for key in self.call(
-            lambda: list(self.client.scan_iter(match=_record_key(family, b"*"), count=1000))))
+        keys = sorted(key[len(record_key(family, b"")):] for key in self.call(
+            lambda: list(self.client.scan_iter(match=record_key(family, b"*"), count=1000))))
         keys = [key for key in keys if key >= start]
         for first in range(0, len(keys), PAGE):
             page = keys[first:first + PAGE]
-            values = _replies(self.call(self.client.mget,
-                                        [_record_key(family, k) for k in page]))
+            values = replies(self.call(self.client.mget,
+                                        [record_key(family, k) for k in page]))
             yield from ((k, v) for k, v in zip(page, values, strict=True) if v is not None)
 
     def _walk_set(self, conn: redis.Redis | redis.client.Pipeline, set_key: bytes,
                   family: str, start: bytes) -> Iterator[tuple[bytes, bytes]]:
         low = b"[" + start
         while True:
-            keys = _keys(self.call(conn.zrangebylex, set_key, low, b"+", 0, PAGE))
+            keys = keys_of(self.call(conn.zrangebylex, set_key, low, b"+", 0, PAGE))
             if not keys:
                 return
-            values = _replies(self.call(conn.mget, [_record_key(family, key) for key in keys]))
+            values = replies(self.call(conn.mget, [record_key(family, key) for key in keys]))
             for key, value in zip(keys, values, strict=True):
                 if value is not None:
                     yield key, value
