@@ -71,7 +71,7 @@ unpack_wheel_files() {
 }
 
 # vLLM's own filesystem KV tier (tests/vllm_tier.py, bench.py's vLLM group).
-unpack_wheel_files vllm 0.33.0 .venv/vllm-tier tests/test_vllm_tier.py \
+unpack_wheel_files vllm 0.34.0 .venv/vllm-tier tests/test_vllm_tier.py \
     vllm/v1/kv_offload/tiering/fs/io.py vllm/v1/kv_offload/tiering/fs/thread_pool.py \
     vllm/v1/kv_offload/file_mapper.py
 # SGLang's HiCache `file` storage backend (tests/sglang_hicache.py): HiCacheFile, its LRU

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own filesystem KV tier (its io.py, file_mapper.py and thread_pool.py, run
+"""vLLM 0.34.0's own filesystem KV tier (its io.py, file_mapper.py and thread_pool.py, run
 unchanged by tests/vllm_tier.py) on real kvfs mounts. One process stores and others look up
 and load, as vLLM instances sharing a `root_dir` do, with vLLM's 16 + 16 I/O threads and its
 O_DIRECT probe; every loaded block is compared with what was stored, byte for byte.

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own filesystem KV tier, run unchanged over a directory (a kvfs mount), as one
+"""vLLM 0.34.0's own filesystem KV tier, run unchanged over a directory (a kvfs mount), as one
 vLLM instance runs it: the tests and bench.py drive kvfs with vLLM's code, not a model of it.
 
     python tests/vllm_tier.py store|lookup|load --root DIR --blocks N [--first I]
