@@ -160,6 +160,8 @@ chmod_modes = st.sampled_from([0o600, 0o644, 0o640, 0o755, 0o444, 0o4755, 0o2775
 shared_modes = st.sampled_from([0o6777, 0o4777, 0o2777, 0o2767, 0o6766, 0o2666, 0o0777,
                                 0o0666])
 xattr_names = st.sampled_from(["user.x", "user.y"])
+# Small, and past what ext4 keeps in the inode (both names' values fit one 4 KiB block there)
+xattr_values = st.one_of(st.binary(max_size=40), st.binary(min_size=400, max_size=1500))
 # Symlink targets: relative, going down from the link's directory only (no `.` or `..`), so
 # that whatever they resolve to lies below the root and never is the root (`.kvfs`).
 link_targets = st.one_of(
@@ -281,6 +283,31 @@ def assert_same(what: str, ours: Any, theirs: Any) -> None:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def getxattr_into(path: Path, name: str, size: int) -> bytes | int:
+    """getxattr(2) with a buffer of `size` bytes: the value, or with size 0 its length (an
+    ERANGE where the buffer is too small)."""
+    buffer = ctypes.create_string_buffer(max(size, 1))
+    got = _libc.getxattr(os.fsencode(path), name.encode(), buffer if size else None, size)
+    if got < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return buffer.raw[:got] if size else got
+
+
+def store_with_xattr(temp: Path, dest: Path, content: bytes, name: str, value: bytes
+                     ) -> bytes:
+    """vLLM's tier with a checksum (its PR #57912): a temp file written, its xattr set
+    through the open descriptor, closed, renamed over the name; the name's xattr read."""
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, content)
+        os.setxattr(fd, name, value)
+    finally:
+        os.close(fd)
+    os.rename(temp, dest)
+    return os.getxattr(dest, name)
 
 
 def renameat2(source: Path, target: Path, flags: int) -> None:
@@ -990,7 +1017,7 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
 
     # -- xattrs ----------------------------------------------------------------------------
 
-    @rule(data=st.data(), name=xattr_names, value=st.binary(max_size=40),
+    @rule(data=st.data(), name=xattr_names, value=xattr_values,
           flags=st.sampled_from([0, XATTR_CREATE, XATTR_REPLACE]))
     def setxattr(self, data: st.DataObject, name: str, value: bytes, flags: int) -> None:
         parts = self.pick(data)
@@ -1002,6 +1029,26 @@ class KvfsVsPlainDirectory(RuleBasedStateMachine):
         parts = self.pick(data)
         self.both(f"getxattr {'/'.join(parts)} {name}",
                   lambda root: os.getxattr(root.joinpath(*parts), name))
+
+    @rule(data=st.data(), name=xattr_names, size=st.integers(0, 48))
+    def getxattr_sized(self, data: st.DataObject, name: str, size: int) -> None:
+        parts = self.pick(data)
+        self.both(f"getxattr {'/'.join(parts)} {name} into {size} bytes",
+                  lambda root: getxattr_into(root.joinpath(*parts), name, size))
+
+    @rule(data=st.data(), name=xattr_names, value=xattr_values, payload=payloads)
+    def store_with_xattr(self, data: st.DataObject, name: str, value: bytes,
+                         payload: Payload) -> None:
+        temp, dest = self.pick(data, "temp"), self.pick(data, "dest")
+        if not (self.can_open(temp) and self.can_open(dest)):
+            return
+        content = payload.data()
+        outcome = self.both(
+            f"store {'/'.join(temp)} with {name} -> {'/'.join(dest)}",
+            lambda root: store_with_xattr(root.joinpath(*temp), root.joinpath(*dest), content,
+                                          name, value))
+        if outcome[0] == "ok":
+            self.compare_file(dest)
 
     @rule(data=st.data())
     def listxattr(self, data: st.DataObject) -> None:
