@@ -22,7 +22,6 @@ from kvfs.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockC
 from kvfs.data.verify import LateHasher, Verifier, VerifyMode
 from kvfs.data.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 from kvfs.data.volume_helper import VolumeHelper
-from kvfs.engines.write_behind import WritesBehind
 from kvfs.files import Contents, FileState, FileTable, Retirer, Writer
 from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.files.passthrough import Passthrough
@@ -42,7 +41,7 @@ from kvfs.observe.stats import Stats
 from kvfs.pool.reaper import recover
 from kvfs.pool.sessions import DEFAULT_TTL, Session, new_session_id
 from kvfs.pool.space import Space
-from kvfs.records import FsError, fail
+from kvfs.records import FsError
 
 log = logging.getLogger("kvfs")
 
@@ -75,7 +74,6 @@ class MountConfig:
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
     spares: SpareMode = SpareMode.ON  # staged files made ahead (kvfs/files/spares.py)
-    write_behind_ms: float = 0  # a shared pool's changes answered ahead, sent every MS; 0: off
 
 
 def check_mountpoint(path: Path) -> None:
@@ -154,10 +152,6 @@ class Daemon:
     def _file_table(self, config: MountConfig) -> FileTable:
         """The open-file table and its parts (kvfs/files/__init__.py), each given the parts
         it calls."""
-        write_behind = None
-        if config.write_behind_ms and isinstance(self.meta.engine, WritesBehind):
-            write_behind = self.meta.engine.write_behind(
-                config.write_behind_ms / 1000, self.data.sync_volume, self.data.staging_dir)
         meta_call = MetaCalls(self.meta.engine)
 
         async def take_blob_ids(count: int) -> range:  # (fresh ones, to name staged files)
@@ -171,7 +165,7 @@ class Daemon:
         retirer = Retirer(state, self.meta, self.data, self.cache, verifier, self.session,
                           self.kernel, self.stats, on_removed=self.notifier.names_removed)
         writer = Writer(state, retirer, self.meta, self.data, self.space, self.session,
-                        self.stats, verifier, hasher, spares, self.helper, write_behind,
+                        self.stats, verifier, hasher, spares, self.helper,
                         take_blob_ids, on_attributes_changed=self.notifier.attributes_changed)
         content = Contents(self.meta, self.data, self.session, verifier, hasher, retirer)
         prefetcher = Prefetcher(self.meta, self.data, verifier, self.session, self.stats,
@@ -270,9 +264,6 @@ class Daemon:
         try:
             self.meta.recency.record_uses(self.space.take_uses())
             self.files.hasher.take_remaining_sums()
-            self.meta.engine.sync()  # (write-behind: no blob is published before its commit)
-            if self.files.write_behind is not None and not self.files.write_behind.close():
-                raise fail(errno.EIO)  # (the queue stays journaled, for the reaper)
             self.files.publish_remaining()
             self.files.reap_remaining()
             if self.shared:

@@ -1,7 +1,7 @@
 """Small-file stores, kvfs against the plain backing directory: files per second.
 
     .venv/bin/python scripts/bench_creates.py [--files 2000] [--runs 3] [--threads 1 16]
-                                              [--redis] [--write-behind MS]
+                                              [--redis]
                                               [--fresh-ext4 SIZE]
 
 Each store is what vLLM's own filesystem tier does per block (KNOWLEDGE.md §6), with a 4 KiB
@@ -11,11 +11,10 @@ destination. The files go into one directory per run, spread over 16 subdirector
 vLLM's tree spreads them. Runs alternate which side goes first; the median of --runs is
 reported with the ratio kvfs/plain. With --redis, a second kvfs mount keeps its metadata in
 a throwaway local Redis (a shared pool of one host) and is measured beside the first; with
---write-behind, another such mount (its own pool, database 1 of that Redis) answers its changes
-ahead of Redis (`--write-behind MS`); with --fresh-ext4, everything
-runs on a new ext4 file system with its journal, in an image of SIZE in the work directory
-(stable figures from run to run). Needs root (mounting). The mounts, Redis, the image and
-the work directory (default bench-work/ in the repository) are removed at the end.
+--fresh-ext4, everything runs on a new ext4 file system with its journal, in an image of SIZE
+in the work directory (stable figures from run to run). Needs root (mounting). The mounts,
+Redis, the image and the work directory (default bench-work/ in the repository) are removed
+at the end.
 """
 
 from __future__ import annotations
@@ -80,8 +79,6 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
     parser.add_argument("--redis", action="store_true",
                         help="also measure a mount whose metadata is in Redis")
-    parser.add_argument("--write-behind", metavar="MS",
-                        help="also measure a Redis mount with --write-behind MS")
     parser.add_argument("--fresh-ext4", metavar="SIZE", type=image_size,
                         help="run on a new ext4 file system with a journal, in an image of "
                              "SIZE (e.g. 8G) made in --workdir and removed at the end")
@@ -103,13 +100,10 @@ def image_size(text: str) -> int:
 def measure(args: argparse.Namespace, work: Path) -> int:
     """Store files in each variant; prints the table."""
     console = Console(highlight=False)
-    redis = LocalRedis(work / "redis") if args.redis or args.write_behind else None
+    redis = LocalRedis(work / "redis") if args.redis else None
     variants = {"kvfs": []}
-    if redis is not None and args.redis:
+    if redis is not None:
         variants["kvfs-redis"] = ["--meta", redis.url]
-    if redis is not None and args.write_behind:
-        pool = redis.url.rsplit("/", 1)[0] + "/1"  # (a pool of its own)
-        variants["kvfs-redis-write-behind"] = ["--meta", pool, "--write-behind", args.write_behind]
     mounts = {name: KvfsMount(work / f"{name}-data", work / f"{name}-mnt", options)
               for name, options in variants.items()}
     roots = {"plain": work / "plain"} | {name: mount.mountpoint

@@ -494,7 +494,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mount-options", default="", metavar="'OPTIONS'",
                         help="more options for every kvfs mount, e.g. '--verify open'")
     parser.add_argument("--redis-mount-options", default="", metavar="'OPTIONS'",
-                        help="more options for the two Redis mounts, e.g. '--write-behind 5'")
+                        help="more options for the two Redis mounts, e.g. '--session-ttl 10'")
     return parser.parse_args()
 
 

@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--no-monitor", action="store_true", help="time the steps only")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-work")
     parser.add_argument("--mount-options", default="",
-                        help="more options for the mount, e.g. '--write-behind 5'")
+                        help="more options for the mount, e.g. '--prefetch 0'")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="redis-trips-", dir=args.workdir))

@@ -5,7 +5,6 @@
     .venv/bin/python scripts/soak.py --minutes 240    # a long soak
     .venv/bin/python scripts/soak.py --quick          # about a minute: a smoke run
     .venv/bin/python scripts/soak.py --quick --redis  # the same on the shared-pool engine
-    .venv/bin/python scripts/soak.py --quick --redis --write-behind 5  # ... answering ahead
 
 Needs root (FUSE) and, for the fio rounds, fio (scripts/setup.sh installs both; without fio
 those rounds are skipped and the summary says so). Run by a python without the project's
@@ -32,11 +31,6 @@ Rounds, in turn until the time is up:
 With --redis the volume is a shared pool (metadata in a redis-server of the soak's own, session
 TTL 1 s): after a crash the remount is a new session, and it is the new session that finds the
 old one dead and cleans up after it, so the checks after a crash wait for that (a few seconds).
-
-With --write-behind MS (and --redis) the mount answers changes ahead of Redis and journals
-them: a daemon killed loses none (the remount's session applies the dead one's journal as it
-reaps it: docs/multi-host.md), so everything is checked as above, once the remount has reaped
-the dead session.
 
 At the end the volume is unmounted and `kvfs fsck` must find it clean. A table summarizes
 rounds, operations, crashes survived, bytes verified and every error found; the exit status is
@@ -70,7 +64,6 @@ from typing import Any
 
 from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
-from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the throwaway Redis lives with the tests
@@ -467,7 +460,6 @@ class Soak:
     workers_started: int = 0
     only: set[str] = field(default_factory=lambda: set(ROUNDS))
     redis: LocalRedis | None = None  # --redis: the shared-pool engine
-    write_behind: str | None = None  # --write-behind MS
     done: dict[str, int] = field(default_factory=dict)  # crash rounds: last version closed
     started: dict[str, int] = field(default_factory=dict)  # and last version started
 
@@ -510,7 +502,7 @@ class Soak:
     def dead_sessions_reaped(self) -> bool:
         """(shared pool, after a crash and remount) Wait, up to the recovery time, until the
         remount's is the only session left (its staging directory the only one); whether
-        it is. Its reaping applies the dead session's write-behind journal."""
+        it is."""
         def one_left() -> bool:
             with os.scandir(self.data / "staging") as entries:
                 return sum(entry.is_dir() for entry in entries) <= 1
@@ -519,8 +511,6 @@ class Soak:
 
     def mount(self) -> None:
         shared = [*self.meta_options, "--session-ttl", SESSION_TTL] if self.redis else []
-        if self.write_behind:
-            shared += ["--write-behind", self.write_behind]
         result = subprocess.run(
             [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint), "--data",
              str(self.data), "--capacity", CAPACITY, *shared],
@@ -645,8 +635,6 @@ class Soak:
         # (os.walk, not rglob: a dead session's directory may go while it is listed)
         for directory, _, names in os.walk(self.data / "staging"):
             for name in names:
-                if name.startswith(JOURNAL_SEGMENT):  # (the live session's write-behind's)
-                    continue
                 with contextlib.suppress(FileNotFoundError):  # taken and published meanwhile
                     sizes[name] = os.stat(os.path.join(directory, name)).st_size
         staged = sorted(name for name, size in sizes.items() if size)
@@ -1030,12 +1018,8 @@ def main(argv: list[str]) -> int:
                         help="run only these rounds (repeatable; default all)")
     parser.add_argument("--redis", action="store_true",
                         help="soak the shared-pool engine (a redis-server of its own)")
-    parser.add_argument("--write-behind", metavar="MS",
-                        help="with --redis: mount with --write-behind MS")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.write_behind and not args.redis:
-        parser.error("--write-behind needs --redis")
     if args.worker:
         worker_main(json.loads(args.worker))
         return 0
@@ -1051,7 +1035,6 @@ def main(argv: list[str]) -> int:
                 only=set(args.only or ROUNDS))
     if args.redis:
         soak.redis = LocalRedis(work / "redis").start()
-    soak.write_behind = args.write_behind
     console.print(f"kvfs soak for {seconds / 60:g} minutes in {work} (seed {seed})")
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)

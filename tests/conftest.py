@@ -21,7 +21,6 @@ from local_redis import LocalRedis
 
 from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
-from kvfs.engines.changelog import PREFIX as JOURNAL_SEGMENT
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,14 +177,12 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20) -> bool:
 
 def assert_only_spares_staged(data: Path, *live: KvfsMount) -> None:
     """staging/ (every host's) holds nothing but the spares of the live mounts `live`
-    (kvfs/files/spares.py): empty files, as many as their stats count, and the journals of
-    their write-behind queues; after unmount, nothing. Waited for: a mount counts a batch of
-    spares once its volume helper has made it."""
+    (kvfs/files/spares.py): empty files, as many as their stats count; after unmount,
+    nothing. Waited for: a mount counts a batch of spares once its volume helper has made
+    it."""
     def leftover() -> list[str]:
         sizes = []
         for path in (data / "staging").rglob("*"):
-            if live and path.name.startswith(JOURNAL_SEGMENT):
-                continue
             with contextlib.suppress(FileNotFoundError):  # (taken and published meanwhile)
                 if path.is_file():
                     sizes.append((path, path.stat().st_size))

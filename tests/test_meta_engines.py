@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
-import marshal
 import os
 import signal
 import stat
@@ -40,8 +39,7 @@ from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLo
 from kvfs.engines.interface import Engine, RoundTripNeeded, Txn
 from kvfs.engines.lmdb_engine import LmdbEngine
 from kvfs.engines.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
-from kvfs.engines.redis_engine import Change, NotCached, RecordCache, RedisEngine, record_key
-from kvfs.engines.write_behind import APPLIED, TAKEN
+from kvfs.engines.redis_engine import NotCached, RecordCache, RedisEngine, record_key
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
     FAMILIES,
@@ -1273,33 +1271,6 @@ for number in range(int(sys.argv[2])):
 meta.namespace.rename(ROOT_INO, b"f0", ROOT_INO, b"renamed", 0)
 os.kill(os.getpid(), 9)  # answered, and no close: as a daemon killed at that moment
 """
-
-
-def test_a_batch_applies_each_change_once_whoever_sends_it(redis_server) -> None:
-    """Write-behind batches (COMMIT_SCRIPT's tokens): a batch sent again answers as the first
-    time; where the sender's marker is past the first changes of a batch (the reaper of a
-    host that was only stalled applied them from its journal, or that host sent them first),
-    those are answered TAKEN and not applied again, the rest are; the marker never goes
-    back. Each change adds 1 to a counter of its own: each must end at 1."""
-    engine = RedisEngine(redis_server.url)
-    try:
-        def send(first: int, last: int) -> list[int]:
-            changes = [Change.from_journal(engine, marshal.dumps(
-                ({}, {}, [("counters", b"test-%d" % seq, 1)])), engine.id)
-                for seq in range(first, last + 1)]
-            return engine.commit_batch(changes, b"%d" % last)
-
-        assert send(1, 3) == [APPLIED] * 3
-        assert send(1, 3) == [APPLIED] * 3  # (its reply never came: sent again)
-        assert send(4, 5) == [APPLIED] * 2  # (a reaper, from the journal)
-        assert send(4, 7) == [TAKEN, TAKEN, APPLIED, APPLIED]  # (the stalled host, awake)
-        assert send(4, 5) == [TAKEN] * 2  # (a second reaper, late)
-        assert send(8, 8) == [APPLIED]
-        counts = [engine.client.hget(b"{kvfs}:counters", b"test-%d" % seq)
-                  for seq in range(1, 9)]
-        assert counts == [b"1"] * 8
-    finally:
-        engine.close()
 
 
 def changes_in_log(path: Path) -> int:

@@ -15,9 +15,7 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -25,7 +23,6 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import (
-    JOURNAL_SEGMENT,
     MOUNT_SCRIPT,
     KvfsMount,
     assert_counters_exact,
@@ -37,11 +34,10 @@ from conftest import (
     missing,
     pid_alive,
     stats,
-    wait_dead,
     wait_for,
 )
 from lmcache_engines import CHUNK_TOKENS, Engines, assert_exact
-from local_redis import LocalRedis, free_port
+from local_redis import LocalRedis
 
 from kvfs.engines.redis_engine import RedisEngine
 from kvfs.meta import ROOT_INO, MetaStore
@@ -93,12 +89,10 @@ def staged_files(data: Path) -> list[Path]:
     return [path for path in (data / "staging").rglob("*") if path.is_file()]
 
 
-@pytest.mark.parametrize(("count", "behind"), [(2, ()), (4, ()),
-                                               (2, ("--write-behind", "5"))])
+@pytest.mark.parametrize("count", [2, 4])
 def test_what_one_host_writes_every_other_reads_byte_exact(shared_pool, redis_server,
-                                                           count: int,
-                                                           behind: tuple[str, ...]) -> None:
-    hosts = shared_pool(count, "--capacity", "1G", *behind)
+                                                           count: int) -> None:
+    hosts = shared_pool(count, "--capacity", "1G")
     rng = random.Random(count)
     written: dict[str, str] = {}
     for index, host in enumerate(hosts):
@@ -157,16 +151,9 @@ def churn(root: str, seed: int, seconds: float, errors: multiprocessing.Queue) -
             errors.put(f"{first.name} {second.name}: {error}")
 
 
-# Write-behind answers creates, renames and closes before Redis has them: here it meets
-# every conflict another host's change can make (kvfs/engines/write_behind.py).
-WRITE_BEHIND = pytest.mark.parametrize("behind", [(), ("--write-behind", "5")],
-                                       ids=["direct", "write-behind"])
-
-
-@WRITE_BEHIND
 def test_concurrent_namespace_changes_from_every_host_stay_consistent(
-        shared_pool, redis_server, behind: tuple[str, ...]) -> None:
-    hosts = shared_pool(4, "--capacity", "1G", *behind)
+        shared_pool, redis_server) -> None:
+    hosts = shared_pool(4, "--capacity", "1G")
     (hosts[0].mountpoint / "shared").mkdir()
     errors: multiprocessing.Queue = multiprocessing.Queue()
     workers = [multiprocessing.Process(target=churn, args=(str(host.mountpoint), seed, 8.0,
@@ -190,8 +177,6 @@ def test_concurrent_namespace_changes_from_every_host_stay_consistent(
     assert wait_for(lambda: [stats(host.mountpoint)["blobs_held"] for host in hosts]
                     == [0] * len(hosts), 5)
     assert_pool_counters_exact(hosts[0])
-    if behind:
-        assert all(stats(host.mountpoint)["write_behind_answered"] > 0 for host in hosts)
     unmount_all(hosts)
     checked = fsck(hosts[0].data, redis_server.url)
     assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
@@ -381,16 +366,14 @@ def test_a_miss_cached_on_one_host_never_hides_another_hosts_name(shared_pool,
 def test_a_full_redis_refuses_creates_and_keeps_removals(shared_pool, redis_server) -> None:
     """Above 90 % of Redis's maxmemory a create fails ENOSPC on every host (each host's
     watcher looks once a second: no create waits for that look) and a removal still works;
-    past maxmemory Redis refuses every write: creates and removals fail ENOSPC (not EIO), the
-    changes answered ahead of it are undone; with room again, everything works again."""
-    first, second = shared_pool(2, "--write-behind", "5")
+    past maxmemory Redis refuses every write: creates and removals fail ENOSPC (not EIO);
+    with room again, everything works again."""
+    first, second = shared_pool(2)
     for name in ("kept", "doomed", "stuck"):
         (first.mountpoint / name).write_bytes(name.encode())
     server = redis.Redis.from_url(redis_server.url)
-    # 32 MiB made by the server (no query buffer of that size to count): 5 % of it is
-    # room for a batch
+    # 32 MiB made by the server (no query buffer of that size to count)
     server.eval("redis.call('SET', KEYS[1], string.rep('b', ARGV[1]))", 1, "ballast", 32 << 20)
-    time.sleep(0.2)  # (the write-behind batch, and its memory, in)
     server.config_set("maxmemory", server.info("memory")["used_memory"] * 100 // 95)
     try:
         assert creates_refused(first.mountpoint) and creates_refused(second.mountpoint)
@@ -428,7 +411,7 @@ def errno_of_create(path: Path) -> int:
     except OSError as error:
         assert error.errno == errno.ENOSPC, error
         return error.errno
-    path.unlink(missing_ok=True)  # (a store answered ahead of a full Redis is undone)
+    path.unlink()
     return 0
 
 
@@ -573,320 +556,11 @@ def test_an_open_file_stays_held_whenever_its_open_meets_gathered_releases(
         meta.close()
 
 
-def _unmount_and_find_clean(hosts: list[KvfsMount], redis_url: str) -> None:
-    """Unmount every host of the pool: nothing is left staged, and `kvfs fsck` finds the pool
-    clean."""
-    unmount_all(hosts)
-    assert staged_files(hosts[0].data) == []
-    checked = fsck(hosts[0].data, redis_url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
-
-
 def _assert_stores_whole(directory: Path, contents: dict[str, bytes]) -> None:
     """`directory` holds exactly these names, each with its content."""
     assert sorted(os.listdir(directory)) == sorted(contents)
     for name, content in contents.items():
         assert (directory / name).read_bytes() == content
-
-
-def vllm_store(directory: Path, name: str, content: bytes) -> None:
-    """A store as vLLM's own tier makes it: an O_EXCL random temporary name, one write, a
-    rename."""
-    final = directory / name
-    assert not final.exists()
-    temporary = f"{final}.{os.urandom(6).hex()}.tmp"
-    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    os.write(fd, content)
-    os.close(fd)
-    os.replace(temporary, final)
-
-
-def test_write_behind_answers_stores_at_once_and_every_host_sees_them(shared_pool,
-                                                                        redis_server) -> None:
-    """Host 1 answers its stores' creates, closes and renames before Redis has them, and
-    sends them in batches: it sees them at once, host 2 within the visibility rule; its
-    stats and metrics count them."""
-    port = free_port()
-    first = shared_pool(1, "--write-behind", "50", "--metrics-port", str(port))[0]
-    second = shared_pool(1)[0]
-    (first.mountpoint / "blocks").mkdir()
-    contents = {f"{n:016x}.bin": os.urandom(4096 + n) for n in range(30)}
-    for name, content in contents.items():
-        vllm_store(first.mountpoint / "blocks", name, content)
-        assert (first.mountpoint / "blocks" / name).read_bytes() == content
-    assert seen_within(lambda: sorted(os.listdir(second.mountpoint / "blocks"))
-                       == sorted(contents))
-    for name, content in contents.items():
-        assert (second.mountpoint / "blocks" / name).read_bytes() == content
-    assert sorted(os.listdir(first.mountpoint / "blocks")) == sorted(contents)
-    shown = stats(first.mountpoint)
-    assert shown["write_behind_answered"] >= 3 * len(contents)  # create, close, rename
-    assert shown["write_behind_lost"] == shown["write_behind_redone"] == 0
-    assert shown["metadata_loop_commits"] == 0
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    lines = metrics.decode().splitlines()
-    assert "kvfs_write_behind_lost_total 0.0" in lines
-    assert any(line.startswith("kvfs_write_behind_answered_total ")
-               and float(line.split()[1]) >= 3 * len(contents) for line in lines)
-    assert_pool_counters_exact(second)
-    _unmount_and_find_clean([first, second], redis_server.url)
-
-
-def test_an_exclusive_create_another_host_made_first_is_undone(shared_pool,
-                                                               redis_server) -> None:
-    """Two hosts create one name with O_EXCL within host 1's gathering time: host 1 answered
-    ahead of Redis, host 2's create reached Redis first. Host 1's create (and its close) are
-    undone and counted, and both hosts see host 2's file; nothing of host 1's stays."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    second = shared_pool(1)[0]
-    # (A mount's first create checks the pool's room in Redis, once a second, the long way.)
-    (first.mountpoint / "warm").write_bytes(b"")
-    (second.mountpoint / "warm2").write_bytes(b"")
-    won_by_first = []
-    for attempt in range(5):
-        lock = f"lock{attempt}"
-        # (... and the lock's create starts a batch of its own: it waits 50 ms to be sent)
-        assert wait_for(lambda: stats(first.mountpoint)["write_behind_queued"] == 0, 5)
-        # (A writer's open reads the room again once it is 0.1 s old, and a room read sends
-        # the queue first, the lock's create with it: read it now, by an open that changes
-        # nothing.)
-        os.close(os.open(first.mountpoint / "warm", os.O_WRONLY))
-        # (closed before host 2's create: the create and the close go in one batch)
-        fd = os.open(first.mountpoint / lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        os.write(fd, b"first")
-        os.close(fd)
-        try:
-            with open(second.mountpoint / lock, "xb") as winner:  # (O_CREAT | O_EXCL)
-                winner.write(b"second")
-            break
-        except FileExistsError:
-            # Host 2 came after host 1's batch (a loaded machine took its 50 ms): host 1
-            # made the name first, a fair outcome but not the one under test. Again.
-            won_by_first.append(lock)
-    else:
-        pytest.fail(f"host 2's create never reached Redis within host 1's 50 ms: {won_by_first}")
-    assert wait_for(lambda: stats(first.mountpoint)["write_behind_lost"] == 2, 5)
-    assert seen_within(lambda: (first.mountpoint / lock).read_bytes() == b"second")
-    assert ((first.mountpoint / lock).stat().st_ino
-            == (second.mountpoint / lock).stat().st_ino)
-    for name in won_by_first:
-        assert seen_within(lambda name=name: (second.mountpoint / name).read_bytes() == b"first")
-    assert sorted(os.listdir(first.mountpoint)) == sorted(os.listdir(second.mountpoint)) == sorted(
-        [lock, "warm", "warm2", *won_by_first])
-    assert_pool_counters_exact(first)
-    _unmount_and_find_clean([first, second], redis_server.url)
-
-
-def test_renames_of_two_hosts_onto_one_name_are_both_made(shared_pool, redis_server) -> None:
-    """Both hosts store the same key within their gathering time, each answered ahead of
-    Redis: the second rename to reach Redis finds the name taken and is made again from
-    Redis, replacing the first (as if it came after it). One file stays, the same on both
-    hosts, with one host's content; the other's data is deleted."""
-    first, second = shared_pool(2, "--write-behind", "50")
-    for host in (first, second):  # (a mount's first create checks the pool's room, below)
-        (host.mountpoint / f"warm{host.pid}").write_bytes(b"")
-    contents = [b"first host's chunk", b"second host's chunk"]
-    for host, content in zip((first, second), contents, strict=True):
-        vllm_store(host.mountpoint, "chunk.bin", content)
-    assert wait_for(lambda: sum(stats(host.mountpoint)["write_behind_redone"]
-                                for host in (first, second)) >= 1, 5)
-    assert sum(stats(host.mountpoint)["write_behind_lost"] for host in (first, second)) == 0
-    assert seen_within(lambda: (first.mountpoint / "chunk.bin").read_bytes()
-                       == (second.mountpoint / "chunk.bin").read_bytes())
-    assert (first.mountpoint / "chunk.bin").read_bytes() in contents
-    assert sorted(os.listdir(first.mountpoint)) == sorted(os.listdir(second.mountpoint))
-    assert wait_for(lambda: len(blob_files(first)) == 1, 10)  # the replaced one is reaped
-    assert_pool_counters_exact(first)
-    unmount_all([first, second])
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
-
-
-def _store_then_stop_with_stores_queued(first: KvfsMount, redis_server: LocalRedis
-                                        ) -> dict[str, bytes]:
-    """41 vLLM stores on `first` (write-behind), the last while Redis stalls (SIGSTOP for
-    1 s: the batch on its way waits, the store's changes stay queued behind it), then its
-    daemon stopped (SIGSTOP: no more batches, heartbeats or record updates). The stored
-    contents."""
-    (first.mountpoint / "blocks").mkdir()
-    contents = {f"{n:016x}.bin": os.urandom(4096 + 7 * n) for n in range(41)}
-    *earlier, last = contents
-    for name in earlier:
-        vllm_store(first.mountpoint / "blocks", name, contents[name])
-    assert redis_server.process is not None
-    os.kill(redis_server.process.pid, signal.SIGSTOP)
-    resume = threading.Timer(1.0, os.kill, (redis_server.process.pid, signal.SIGCONT))
-    resume.start()
-    try:
-        time.sleep(0.2)  # (a batch gathered meanwhile is on its way, and waits)
-        vllm_store(first.mountpoint / "blocks", last, contents[last])
-        os.kill(first.pid, signal.SIGSTOP)
-    finally:
-        resume.join()
-    return contents
-
-
-def _store_then_kill_with_stores_queued(first: KvfsMount, redis_server: LocalRedis,
-                                        rebooted: bool) -> dict[str, bytes]:
-    """`_store_then_stop_with_stores_queued`, then the daemon killed; `rebooted`: its
-    session's record first says it ran in another boot (as a machine that went down and came
-    back would have left it). The stored contents."""
-    contents = _store_then_stop_with_stores_queued(first, redis_server)
-    if rebooted:
-        client = redis.Redis.from_url(redis_server.url)
-        for key in client.keys(b"{kvfs}:sessions:*"):
-            record = json.loads(client.get(key))
-            if record["pid"] == first.pid:
-                client.set(key, json.dumps({**record, "boot": "another boot"}))
-    first.kill9()
-    return contents
-
-
-def test_a_daemon_killed_with_stores_queued_loses_none_of_them(shared_pool,
-                                                               redis_server) -> None:
-    """A daemon killed while stores it answered wait in its write-behind queue: the host that
-    reaps its session applies them from its journal (the same machine, its page cache
-    intact), so every store is whole on the other host, no temporary name is left, counters
-    are exact and fsck finds the pool clean."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    second = shared_pool(1)[0]
-    contents = _store_then_kill_with_stores_queued(first, redis_server, rebooted=False)
-    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
-    assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
-    _assert_stores_whole(second.mountpoint / "blocks", contents)
-    assert_only_spares_staged(first.data, second)
-    assert_pool_counters_exact(second)
-    _unmount_and_find_clean([second], redis_server.url)
-
-
-def test_a_stalled_host_reaped_with_stores_queued_loses_none_of_them(shared_pool,
-                                                                     redis_server) -> None:
-    """A host stalled past the session TTL while stores it answered wait in its write-behind
-    queue: the host that reaps its session applies them from its journal. When the stalled
-    host wakes, with more stores waiting on it, its sender finds those changes taken (they
-    are not applied twice, nor found stale and undone), it rejoins, journals anew and sends
-    the rest: every store is whole on both hosts, counters are exact, fsck finds the pool
-    clean."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    second = shared_pool(1)[0]
-    contents = _store_then_stop_with_stores_queued(first, redis_server)
-    late = {f"late{n}.bin": os.urandom(5000 + n) for n in range(8)}
-    failures: list[OSError] = []
-
-    def store_late() -> None:
-        try:
-            for name, content in late.items():
-                vllm_store(first.mountpoint / "blocks", name, content)
-        except OSError as error:
-            failures.append(error)
-
-    writer = threading.Thread(target=store_late)
-    try:
-        assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
-        assert stats(second.mountpoint)["write_behind_recovered"] > 0
-        assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
-        writer.start()  # (its first request waits for the stopped daemon)
-        time.sleep(0.2)
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
-    writer.join(30)
-    assert not writer.is_alive() and failures == []
-    assert wait_for(lambda: stats(first.mountpoint)["sessions_lost"] == 1, 10)
-    assert wait_for(lambda: stats(first.mountpoint)["write_behind_queued"] == 0, 10)
-    assert stats(first.mountpoint)["write_behind_lost"] == 0
-    assert list((first.data / "staging").glob(f"*/{JOURNAL_SEGMENT}*")), "journaling anew"
-    for host in (first, second):
-        _assert_stores_whole(host.mountpoint / "blocks", contents | late)
-    assert_pool_counters_exact(second)
-    _unmount_and_find_clean([first, second], redis_server.url)
-
-
-def test_a_host_that_went_down_with_stores_queued_loses_only_those(shared_pool,
-                                                                   redis_server) -> None:
-    """The same after the machine itself went down (its session's record from another
-    boot): its journal, and the data it names, may have lost their tail, so nothing is
-    applied from it. The stores still queued never happen (their staged data is reclaimed
-    with the dead session); every name another host sees reads back exactly what was stored
-    under it (a store cut between its steps leaves its temporary name, empty or whole, as a
-    crash between them would without write-behind)."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    second = shared_pool(1)[0]
-    contents = _store_then_kill_with_stores_queued(first, redis_server, rebooted=True)
-    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
-    assert stats(second.mountpoint)["write_behind_recovered"] == 0
-    assert stats(second.mountpoint)["write_behind_unrecovered"] > 0
-    for name in os.listdir(second.mountpoint / "blocks"):
-        content = (second.mountpoint / "blocks" / name).read_bytes()
-        if name in contents:
-            assert content == contents[name]
-        else:
-            final, _, _ = name.rpartition(".bin.")
-            assert name.endswith(".tmp") and content in (b"", contents[final + ".bin"])
-    assert_only_spares_staged(first.data, second)
-    assert_pool_counters_exact(second)
-    _unmount_and_find_clean([second], redis_server.url)
-
-
-def test_an_unmount_without_redis_leaves_its_queue_to_the_reaper(shared_pool,
-                                                                  redis_server) -> None:
-    """A host unmounted while Redis stalls (SIGSTOP), its last store answered ahead and not
-    in Redis: the unmount gives up on Redis and keeps its session, staged data and journal;
-    once Redis answers again the other host reaps the session at once (its daemon has
-    exited) and applies the journal: every store is whole, counters exact, fsck clean."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    [session] = [path for path in (first.data / "staging").iterdir() if path.is_dir()]
-    second = shared_pool(1)[0]
-    (first.mountpoint / "blocks").mkdir()
-    contents = {f"{n:016x}.bin": os.urandom(4096 + 5 * n) for n in range(11)}
-    for name, content in contents.items():
-        vllm_store(first.mountpoint / "blocks", name, content)
-    assert redis_server.process is not None
-    os.kill(redis_server.process.pid, signal.SIGSTOP)  # (the last store's batch gathers)
-    try:
-        subprocess.run(["fusermount3", "-u", "-z", str(first.mountpoint)], check=True)
-        assert wait_dead(first.pid, 60)  # (each request to Redis times out: seconds)
-        first.pid = 0
-        assert [path.name for path in session.iterdir()
-                if path.name.startswith(JOURNAL_SEGMENT)]
-    finally:
-        os.kill(redis_server.process.pid, signal.SIGCONT)
-    assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
-    # (A batch it had sent when Redis stalled reaches Redis once it answers: its changes are
-    # applied then, and the journal's replay skips them.)
-    assert stats(second.mountpoint)["write_behind_unrecovered"] == 0
-    assert not session.exists()
-    _assert_stores_whole(second.mountpoint / "blocks", contents)
-    assert_pool_counters_exact(second)
-    _unmount_and_find_clean([second], redis_server.url)
-
-
-def test_stores_queued_when_redis_stalls_reach_it_once_it_answers(shared_pool,
-                                                                    redis_server) -> None:
-    """Redis stalls (SIGSTOP) while a host's queue holds stores it answered ahead (its batch
-    gathers for 50 ms): the batch times out, waits and goes again once Redis answers, which
-    by then has applied the first try too; every store is then whole on the other host, and
-    nothing was undone or applied twice (counters exact)."""
-    first = shared_pool(1, "--write-behind", "50")[0]
-    second = shared_pool(1)[0]
-    (first.mountpoint / "blocks").mkdir()
-    vllm_store(first.mountpoint / "blocks", "warm.bin", b"warm")
-    assert seen_within(lambda: (second.mountpoint / "blocks" / "warm.bin").exists())  # (sent)
-    stored = {f"{number:016x}.bin": os.urandom(4096 + number) for number in range(10)}
-    for name, content in stored.items():
-        vllm_store(first.mountpoint / "blocks", name, content)
-    assert redis_server.process is not None
-    os.kill(redis_server.process.pid, signal.SIGSTOP)  # (within the batch's 50 ms)
-    try:
-        time.sleep(3)  # (the batch times out after 2 s, and waits)
-    finally:
-        os.kill(redis_server.process.pid, signal.SIGCONT)
-    assert wait_for(lambda: all(_read(second.mountpoint / "blocks" / name) == content
-                                for name, content in stored.items()), 30)
-    assert stats(first.mountpoint)["write_behind_lost"] == 0
-    assert_pool_counters_exact(first)
-    unmount_all([first, second])
-    checked = fsck(first.data, redis_server.url)
-    assert checked.returncode == 0 and "is clean" in checked.stderr, checked.stderr
 
 
 def test_mounting_with_the_wrong_engine_is_refused(make_mount, redis_server,

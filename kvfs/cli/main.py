@@ -53,18 +53,6 @@ def size(text: str) -> int:
     return value
 
 
-def write_behind_ms(text: str) -> float:
-    """Milliseconds between write-behind batches: 0 (off) to 50 (other hosts see a change
-    within 100 ms)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
-    if not 0 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"milliseconds from 0 (off) to 50: {text!r}")
-    return value
-
-
 def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR,
@@ -116,11 +104,6 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read and verify chunks in the background when an engine looks "
                              "them up, before it opens them: at most SIZE queued and in flight; "
                              "0 turns it off (default 2G)")
-    parser.add_argument("--write-behind", type=write_behind_ms, default=0, metavar="MS",
-                        help="with --meta: answer creates, renames and small files' closes "
-                             "before Redis has them, and send them every MS milliseconds in "
-                             "one batch (stores ~2.5x faster; a daemon killed loses what it "
-                             "answered in its last MS ms; default 0: off)")
     parser.add_argument("--log-file", type=Path, help="daemon log (default DATA/kvfs.log)")
     parser.add_argument("--syslog", action="store_true", help="log to syslog instead of a file")
     parser.add_argument("--metrics-port", type=int,
@@ -139,11 +122,8 @@ def mount_command(args: argparse.Namespace) -> None:
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,
-        prefetch_bytes=args.prefetch, spares=args.spares, write_behind_ms=args.write_behind,
+        prefetch_bytes=args.prefetch, spares=args.spares,
     )
-    if config.write_behind_ms and not config.meta_url:
-        raise CliError("--write-behind is for a shared pool (--meta): the embedded engine "
-                       "already answers changes from memory")
     try:
         binding.require()
     except binding.BindingError as error:

@@ -253,11 +253,10 @@ class StagedFile:
         """Whether `finish` flushes the data to the volume (a wait on the disk)."""
         return self.store.fsync
 
-    def finish(self, ino: int, hash_later: bool = False, sync: bool = True) -> BlobInfo:
+    def finish(self, ino: int, hash_later: bool = False) -> BlobInfo:
         """Hash what was not hashed while streaming (or, `hash_later`, leave the sums to be
-        taken after the commit), flush where the store syncs (unless not `sync`: the caller
-        has the volume synced before the commit); the blob is final. Idempotent until the
-        next change."""
+        taken after the commit), flush where the store syncs; the blob is final. Idempotent
+        until the next change."""
         if self._finished is not None:
             return self._finished
         self.materialize()
@@ -270,7 +269,7 @@ class StagedFile:
             if self._stream_end == self.size and self.size % BLOCK_SIZE:
                 self.sums[blocks - 1] = self._hasher.intdigest()  # the stream's partial block
             sums, pending = block_sums(self.fd, self.size, self.sums), False
-        if self.store.fsync and sync:
+        if self.store.fsync:
             os.fdatasync(self.fd)
         self._finished = BlobInfo(self.blob_id, ino, self.size, self.physical, BLOCK_SIZE, sums,
                                   pending)

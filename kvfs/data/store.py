@@ -26,7 +26,6 @@ verified on every read from the volume.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import mmap
@@ -47,7 +46,6 @@ VERIFY_RUN_BLOCKS = 8  # blocks one worker verifies in a row when a whole blob i
 ALLOCATION_UNIT = 4096  # a write may allocate up to this much beyond its own length
 FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
 FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
 SUMS_AT_CLOSE_MAX = 64 << 10  # kernel-written files up to this size are hashed at their close
 READ_WHOLE_MAX = 64 << 10  # files up to this size are hashed without looking for holes
 PAGE = mmap.PAGESIZE  # O_DIRECT reads go into page-aligned buffers, in whole pages
@@ -229,17 +227,6 @@ class DataStore:
         os.link(self.path(blob_id) if published else self.staging_path(blob_id),
                 self.staging_path(new_id))
         return os.open(self.staging_path(new_id), os.O_RDWR | os.O_CLOEXEC)
-
-    def sync_volume(self) -> None:
-        """Flush everything written to the volume (syncfs: one journal commit and one device
-        flush for every file written since the last)."""
-        fd = os.open(self.staging_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            if _libc.syncfs(fd):
-                error = ctypes.get_errno()
-                raise OSError(error, os.strerror(error))
-        finally:
-            os.close(fd)
 
     def publish(self, blob_id: int) -> None:
         error = move(self.staging_path(blob_id), self.path(blob_id))

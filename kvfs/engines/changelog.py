@@ -25,10 +25,6 @@ Sequence numbers follow each other without gaps. Replay reads the segments in or
 or damaged record ends its segment (an append that failed goes on in a new one) and a gap in
 the sequence ends the replay: after a power loss the log holds a prefix of what was answered,
 never a record that skips one.
-
-A shared pool's write-behind queue (kvfs/engines/write_behind.py) journals the changes it answers
-ahead of Redis in segments of the same format, in the host's staging directory: there the
-payload is a change's reads and writes for the commit script (`records` yields it as is).
 """
 
 from __future__ import annotations
@@ -128,11 +124,6 @@ class ChangeLog:
         """(seq, writes) of every intact record after `after`, in order."""
         for seq, payload, magic in self.records(after):
             yield seq, decode(payload, magic)
-
-    def first(self) -> int | None:
-        """The sequence number the oldest segment starts at (None: no segment)."""
-        listed = self._listed()
-        return listed[0][0] if listed else None
 
     def records(self, after: int) -> Iterator[tuple[int, bytes, int]]:
         """(seq, payload, magic) of every intact record after `after`, in order."""

@@ -53,11 +53,6 @@ class Txn(Protocol):
         entries): a shared engine's cache then answers misses there from memory."""
         ...
 
-    def agree_first(self) -> None:
-        """A change other hosts' changes build on (of a directory, a removal): a shared
-        engine answers it only once the pool has it, never ahead (write-behind)."""
-        ...
-
     def count(self, family: str, key: bytes) -> int:
         """A counter's value (0 if never added to); not read inside a change, so that hot
         counters never make changes conflict."""
@@ -127,7 +122,6 @@ class LoopChanges(Protocol):
     worker thread costs two hand-offs on top of the round trip)."""
 
     loop_commits: int  # changes committed from the loop
-    id: bytes  # this engine's, in the batches it sends and the changes it announces
 
     async def change_on_loop(self, function: Callable[[], T]) -> T:
         """Call `function`, which makes one change and has no other effects (it may run

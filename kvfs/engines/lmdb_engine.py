@@ -170,9 +170,6 @@ class _LayeredTxn:
     def known_empty(self, family: str, prefix: bytes) -> None:
         pass  # (LMDB needs no hint)
 
-    def agree_first(self) -> None:
-        pass  # (one host: nothing is answered ahead of anyone)
-
     def scan(self, family: str, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """LMDB's keys merged with the pending ones, in key order."""
         # (list(): one C call, atomic under the GIL while a change adds keys in another thread)

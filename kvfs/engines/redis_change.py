@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import heapq
-import marshal
 from collections.abc import Callable, Iterator
 from typing import NoReturn, Protocol, TypeVar, cast
 
@@ -25,7 +24,6 @@ from kvfs.engines.redis_layout import (
     PARTITIONED,
     ScriptCall,
     announcement,
-    batched,
     counter_key,
     record_key,
     set_key,
@@ -35,7 +33,6 @@ from kvfs.engines.redis_loop import LoopConnection
 from kvfs.records import fail
 
 T = TypeVar("T")
-JOURNAL_MARSHAL_VERSION = 4
 
 
 class RedisAccess(Protocol):
@@ -48,7 +45,6 @@ class RedisAccess(Protocol):
     commit_script: redis.commands.core.Script
 
     def call(self, method: Callable[..., T], *args: object) -> T: ...
-    def caught_up(self) -> None: ...
     def round_trip_allowed(self) -> None: ...
 
     def read(self, family: str, records: list[bytes], cached: bool = True
@@ -89,12 +85,10 @@ class Reader:
         return self.engine.read_through(family, key, to_family, self.cached)
 
     def count(self, family: str, key: bytes) -> int:
-        self.engine.caught_up()
         raw = self.engine.call(self.client.hget, counter_key(family), key)
         return int(raw) if raw is not None else 0
 
     def counts(self, family: str) -> dict[bytes, int]:
-        self.engine.caught_up()
         raw = cast("dict[bytes, bytes]",  # bytes replies (see reply)
                    self.engine.call(self.client.hgetall, counter_key(family)))
         return {key: int(value) for key, value in sorted(raw.items())}
@@ -105,7 +99,7 @@ class Reader:
     def put(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("snapshots are read-only")
 
-    delete = pop = clear = add = discard = known_empty = agree_first = put
+    delete = pop = clear = add = discard = known_empty = put
 
 
 class Change:
@@ -122,24 +116,6 @@ class Change:
         self.watched: set[bytes] = set()
         self.read: dict[bytes, bytes | None] = {}  # records read so far -> what they held
         self.emptied: list[bytes] = []  # key prefixes (records) with no record yet
-        self.agreed = False  # `agree_first`: never answered ahead of Redis
-        self.function: Callable[[Change], object] | None = None  # (answered ahead: to redo)
-        self.announcer = engine.id  # whose change other hosts are told it is
-
-    def journaled(self) -> bytes:
-        """What the write-behind journal keeps of a change answered ahead (one that scanned
-        nothing and cleared nothing: the loop's changes cannot): what its commit checks and
-        applies (`from_journal`)."""
-        return marshal.dumps((self.read, self.writes, self.adds), JOURNAL_MARSHAL_VERSION)
-
-    @classmethod
-    def from_journal(cls, engine: RedisAccess, payload: bytes, announcer: bytes) -> Change:
-        """A journaled change, to commit again (announced as `announcer`'s)."""
-        with engine.client.pipeline(transaction=True) as pipe:  # (never used)
-            change = cls(engine, pipe)
-        change.read, change.writes, change.adds = marshal.loads(payload)
-        change.announcer = announcer
-        return change
 
     def get(self, family: str, key: bytes) -> bytes | None:
         if (family, key) in self.writes:
@@ -192,9 +168,6 @@ class Change:
     def known_empty(self, family: str, prefix: bytes) -> None:
         if self.engine.cache.cacheable(family):
             self.emptied.append(record_key(family, prefix))
-
-    def agree_first(self) -> None:
-        self.agreed = True
 
     def record_writes(self) -> list[tuple[bytes, bytes | None]]:
         """(Redis key, value or None) of each record it writes (counters aside)."""
@@ -270,22 +243,22 @@ class Change:
         changed = [(family, key, value) for (family, key), value in self.writes.items()
                    if family in ANNOUNCED]
         if changed:
-            op(b"P", None, self.engine.channel, announcement(self.announcer, changed))
+            op(b"P", None, self.engine.channel, announcement(self.engine.id, changed))
         return keys, args
 
     def _run_script(self, with_writes: bool) -> bool:
         """Whether nothing the change read (records, and scanned partitions) has changed;
         if so, and `with_writes`, its writes are applied in the same step."""
-        keys, args = batched([self.script_call(with_writes)])
+        keys, args = self.script_call(with_writes)
         if not self.watched:
-            return self.engine.commit_script(keys, args) == [1]
+            return self.engine.commit_script(keys, args) == 1
         self.pipe.multi()
         self.engine.commit_script(keys, args, client=self.pipe)
         try:
             [applied] = self.pipe.execute()
         except redis.WatchError:
             return False
-        return applied == [1]
+        return applied == 1
 
     def commit(self) -> None:
         written, moment = self.cached_writes()
@@ -299,7 +272,7 @@ class Change:
     async def commit_on_loop(self, connection: LoopConnection) -> None:
         """`commit` from the trio loop (for a change that scanned nothing)."""
         written, moment = self.cached_writes()
-        keys, args = batched([self.script_call(with_writes=True)])
+        keys, args = self.script_call(with_writes=True)
         try:
             with trio.CancelScope(shield=True):  # once sent, a commit is seen through
                 applied = await connection.script(self.engine.commit_script.sha, COMMIT_SCRIPT,
@@ -312,7 +285,7 @@ class Change:
         except BaseException:
             self._outcome_unknown(written)
             raise
-        self._committed(applied == [1], written, moment)
+        self._committed(applied == 1, written, moment)
 
     def cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
         """What the commit writes of the cached families, and the cache's count of changes

@@ -46,10 +46,8 @@ import random
 import struct
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from pathlib import Path
 from typing import TypeVar, cast
 from urllib.parse import urlparse
 
@@ -57,12 +55,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvfs.engines.changelog import ChangeLog
 from kvfs.engines.interface import RoundTripNeeded
 from kvfs.engines.redis_cache import Cached, NotCached, RecordCache
 from kvfs.engines.redis_change import Change, Reader
 from kvfs.engines.redis_layout import (
-    ANNOUNCED,
     CHANGES_CHANNEL,
     COMMIT_SCRIPT,
     ENGINE_ID_BYTES,
@@ -72,8 +68,6 @@ from kvfs.engines.redis_layout import (
     PARTITIONED,
     PREFIX,
     announced,
-    batch_marker,
-    batched,
     counter_key,
     keys_of,
     record_key,
@@ -86,9 +80,7 @@ from kvfs.engines.redis_loop import (
     REQUEST_TIMEOUT,
     LoopConnection,
     LoopConnectionError,
-    packed_command,
 )
-from kvfs.engines.write_behind import APPLIED, TAKEN, WriteBehind
 from kvfs.records import FsError, fail
 
 log = logging.getLogger(__name__)
@@ -104,7 +96,6 @@ ATTEMPTS = 2  # per request, when Redis cannot be reached or does not answer
 DOWN_SECONDS = 0.5  # after a connection failure, fail at once for this long
 ROOM_CHECK_SECONDS = 1.0
 ROOM_SHARE = 0.9  # of Redis's maxmemory the namespace may fill
-REPLAY_BATCH = 1000  # journaled changes per script call when a dead session's are applied
 WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 # After a wake-up the watcher lets announcements gather this long before it reads again: a
 # storing host hears its own three per store, and each wake-up costs CPU and takes the GIL
@@ -137,8 +128,6 @@ class RedisEngine:
         self.loop_connection = LoopConnection(url)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
-        self.behind: WriteBehind[Change] | None = None  # (`write_behind`)
-        self._changed: Callable[[str, bytes], None] | None = None  # (`watch`'s callback)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self._closing = threading.Event()
@@ -186,7 +175,6 @@ class RedisEngine:
         pending = getattr(self._on_loop, "pending", None)
         if pending is not None:
             return self._change_for_loop(change, pending)
-        self.caught_up()  # (write-behind: after what this host answered before)
         return self._change(change)
 
     def _change(self, change: Callable[[Change], T]) -> T:
@@ -234,13 +222,6 @@ class RedisEngine:
         if not pending:
             return result
         [txn] = pending
-        behind = self.behind
-        if behind is not None:
-            if not txn.agreed and behind.open:
-                self._answer_ahead(txn, behind)
-                return result
-            if not behind.idle():  # (a worker's change waits for the queue first)
-                raise RoundTripNeeded
         try:
             await txn.commit_on_loop(self.loop_connection)
         except redis.WatchError:
@@ -255,12 +236,6 @@ class RedisEngine:
             self._came_back()
         return result
 
-    def _answer_ahead(self, txn: Change, behind: WriteBehind[Change]) -> None:
-        """Answer `txn` before Redis has it: it joins the write-behind queue."""
-        written, moment = txn.cached_writes()
-        behind.queue(txn)
-        self.cache.wrote(written, moment, txn.emptied)
-
     def _change_for_loop(self, change: Callable[[Change], T], pending: list[Change]) -> T:
         """(`change_on_loop`) Run `change` from the cache; its commit joins `pending`."""
         if pending:  # (a second change would read the first one's writes before they land)
@@ -273,46 +248,29 @@ class RedisEngine:
                 raise
             except Exception:
                 raise RoundTripNeeded from None
-        txn.function = change
         pending.append(txn)
         return result
 
     def read(self, family: str, records: list[bytes], cached: bool = True
              ) -> list[bytes | None]:
-        """Records (their Redis keys) of one family: what this host answered ahead of Redis
-        (write-behind), then from the cache where it has them (`cached`: for a change, whose
-        commit checks them), the rest in one round trip. The write-behind sender reads
-        Redis alone."""
-        ahead, kept = self._known_here(family)
-        if not ahead and not kept:
+        """Records (their Redis keys) of one family: from the cache where it has them
+        (`cached`: for a change, whose commit checks them), the rest in one round trip."""
+        kept = self.cache.cacheable(family)
+        if not kept:
             return self._fetch(records)
         found: list[Cached] = [NotCached.MISS] * len(records)
-        if ahead:
-            found = [ahead.get(record, NotCached.MISS) for record in records]
-        if kept and cached:
-            found = [self.cache.get(record) if value is NotCached.MISS else value
-                     for record, value in zip(records, found, strict=True)]
+        if cached:
+            found = [self.cache.get(record) for record in records]
         missing = [record for record, value in zip(records, found, strict=True)
                    if value is NotCached.MISS]
         if not missing:
             return cast("list[bytes | None]", found)
         moment = self.cache.changes
         fetched = self._fetch(missing)
-        if kept:
-            self.cache.keep(missing, fetched, moment)
+        self.cache.keep(missing, fetched, moment)
         by_record = dict(zip(missing, fetched, strict=True))
         return [by_record[record] if value is NotCached.MISS else value
                 for record, value in zip(records, found, strict=True)]
-
-    def _known_here(self, family: str) -> tuple[dict[bytes, bytes | None], bool]:
-        """(this host's records answered ahead of Redis, whether the cache keeps `family`):
-        neither on the write-behind sender, which reads Redis as it is."""
-        behind = self.behind
-        if behind is None:
-            return {}, self.cache.cacheable(family)
-        if behind.on_sender():
-            return {}, False
-        return behind.records, self.cache.cacheable(family)
 
     @contextmanager
     def from_memory(self) -> Iterator[None]:
@@ -337,9 +295,9 @@ class RedisEngine:
         entry and its inode): from the cache (`cached`, as in `read`), or in one round trip
         (a script)."""
         record = record_key(family, key)
-        ahead, kept = self._known_here(family)
-        entry = ahead.get(record, NotCached.MISS)
-        if entry is NotCached.MISS and kept and cached:
+        kept = self.cache.cacheable(family)
+        entry: Cached = NotCached.MISS
+        if kept and cached:
             entry = self.cache.get(record)
         if entry is not NotCached.MISS:
             if entry is None:
@@ -354,8 +312,6 @@ class RedisEngine:
         if fetched is None:
             return None, None
         inode = prefix + bytes(fetched[:8])
-        if inode in ahead:  # (this host changed the inode ahead of Redis)
-            return fetched, ahead[inode]
         if kept and self.cache.cacheable(to_family):
             self.cache.keep([inode], [referred], moment)
         return fetched, referred
@@ -380,102 +336,13 @@ class RedisEngine:
         self._room = (time.monotonic(), not limit or memory["used_memory"] < ROOM_SHARE * limit)
 
     def sync(self, timeout: float | None = None) -> bool:
-        """Wait until Redis has every change answered so far (write-behind; not while Redis
-        cannot be reached); Redis persists them by its own settings (the README says which
-        kvfs needs)."""
-        if self.behind is None:
-            return True
-        return self.behind.settle(timeout) if timeout is not None else self.behind.sent()
-
-    # -- write-behind ----------------------------------------------------------------------
-
-    def write_behind(self, gather_seconds: float, sync_volume: Callable[[], None],
-                     journal: Path) -> WriteBehind[Change]:
-        self.behind = WriteBehind(self, gather_seconds, sync_volume, ChangeLog(journal))
-        return self.behind
-
-    def replay_behind(self, directory: Path, sender: bytes, same_boot: bool
-                      ) -> tuple[int, int]:
-        """Apply what the write-behind journal in `directory` (a dead session's, whose engine
-        id was `sender`) holds past the last batch Redis took from it, in batches checked
-        and announced as that sender's (sent again, a batch applies nothing twice: two
-        reapers may do this at once); then delete the journal. Returns (applied, not
-        applied): stale ones (another host changed what they read), or every one if the
-        journal comes from another boot (it and the data it names may have lost their
-        tail). Changes its host sent meanwhile (it was only stalled) are neither."""
-        journal = ChangeLog(directory)
-        first = journal.first()
-        if first is None:
-            return 0, 0
-        marker = reply(self.call(self.client.get, batch_marker(sender)))
-        sent = int(marker.split(b":")[0]) if marker else 0
-        records = [(seq, payload) for seq, payload, _ in journal.records(max(sent, first - 1))]
-        answers: Counter[int] = Counter()
-        for start in range(0, len(records) if same_boot else 0, REPLAY_BATCH):
-            part = records[start:start + REPLAY_BATCH]
-            changes = [Change.from_journal(self, payload, sender) for _, payload in part]
-            answers.update(self.commit_batch(changes, b"%d" % part[-1][0], sender))
-        journal.drop_all()
-        return answers[APPLIED], len(records) - answers[APPLIED] - answers[TAKEN]
-
-    def caught_up(self) -> None:
-        """Before a change made the long way, or a read of what a scan or a counter sums
-        up: the write-behind queue in Redis (EIO if it cannot get there)."""
-        if self.behind is not None and not self.behind.sent():
-            raise fail(errno.EIO)  # (the queue waits until Redis is back)
-
-    def unreachable(self) -> bool:
-        """Whether the last request found Redis unreachable (for DOWN_SECONDS)."""
-        return time.monotonic() < self._down_until
-
-    def commit_batch(self, batch: list[Change], token: bytes, sender: bytes | None = None
-                     ) -> list[int]:
-        """Check and apply `batch` in order, in one script call: APPLIED, STALE or TAKEN
-        (sent already under this sender's name, COMMIT_SCRIPT) per change.
-        Sent again with the same `token` (after a reply that never came), it answers as the
-        first time, applying nothing twice. `sender`: the engine whose batch it is (this
-        one's, or a dead session's being replayed)."""
-        keys, args = batched([change.script_call(with_writes=True) for change in batch],
-                             batch_marker(sender or self.id), token)
-        return cast("list[int]", self.call(self._commit_packed, keys, args))
-
-    def _commit_packed(self, keys: list[bytes], args: list[bytes | int]) -> object:
-        """COMMIT_SCRIPT's call packed by hiredis in one step (redis-py encodes each argument
-        in Python first, which would be most of the sender's time for a large batch)."""
-        pool = self.client.connection_pool
-        connection = pool.get_connection()
-        try:
-            for command in ((b"EVALSHA", self.commit_script.sha), (b"EVAL", COMMIT_SCRIPT)):
-                connection.send_packed_command([packed_command(
-                    (*command, len(keys), *keys, *args))])
-                try:
-                    return connection.read_response()
-                except redis.exceptions.NoScriptError:
-                    continue  # (the server lacks the script: send its source)
-            raise AssertionError("EVAL answered NOSCRIPT")
-        except (redis.ConnectionError, redis.TimeoutError):
-            connection.disconnect()
-            raise
-        finally:
-            pool.release(connection)
-
-    def forget_ahead(self, change: Change) -> None:
-        """What `change` wrote ahead of Redis, which Redis holds otherwise now: out of the
-        cache (before its queued values stop answering reads)."""
-        self.cache.drop(record_key(family, key) for family, key in change.writes
-                        if family in ANNOUNCED)
-
-    def unsee_ahead(self, change: Change) -> None:
-        """... and the names and attributes it wrote out of this host's kernel (after)."""
-        if self._changed is not None:
-            for family, key in change.writes:
-                if family in ANNOUNCED:
-                    self._changed(family, key)
+        """Redis has every change answered (each is answered once it does); Redis persists
+        them by its own settings (the README says which kvfs needs)."""
+        return True
 
     def watch(self, changed: Callable[[str, bytes], None]) -> None:
         if self._watcher is not None:
             raise RuntimeError("this engine already watches other hosts' changes")
-        self._changed = changed
         self._watcher = threading.Thread(target=self._listen, args=(changed,),
                                          name="kvfs-watch", daemon=True)
         self._watcher.start()
@@ -537,8 +404,6 @@ class RedisEngine:
                 log.exception("handling another host's change of %s %r failed", family, key)
 
     def close(self) -> None:
-        if self.behind is not None:
-            self.behind.close()
         self._closing.set()
         if self._watcher is not None:
             self._watcher.join(timeout=2 * WATCH_POLL_SECONDS)
@@ -560,7 +425,6 @@ class RedisEngine:
                     start: bytes) -> Iterator[tuple[bytes, bytes]]:
         """What Redis holds of `family` from `start`, in key order (for a partitioned
         family: up to the end of start's partition)."""
-        self.caught_up()
         if family in PARTITIONED or family in INDEXED:
             streams = [self._walk_set(conn, index_set, family, start)
                        for index_set in set_keys(family, start)]

@@ -12,11 +12,6 @@ Keys, all under one hash tag
                                        pending, sessions: one set each
     {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
     {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
-    {kvfs}:batch:<engine id>           a write-behind sender's last batch and its answer, so
-                                       that a batch sent again is not applied twice, and
-                                       the reaper of a dead session knows what of its
-                                       journal Redis has (kvfs/engines/write_behind.py); expires
-                                       after a week
 
 Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
 Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
@@ -46,77 +41,33 @@ _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
-# A batch marker outlives its sender by this long: a dead session reaped later (every host down
-# meanwhile) would take its journal's applied changes for unsent ones (their commit checks
-# would then find them stale: counted as not applied).
-MARKER_MS = 7 * 24 * 3600 * 1000
-# A batch of changes, each checked against what the ones before it left and applied only if
-# every record it read still holds what it read; returns 1 (applied) or 0 per change. ARGV: the
-# batch's token ("" for none), how many changes, then per change: its key count, its argument
-# count and its arguments: how many records it read, what each held ("" if absent, else "=" +
-# value), then per write: op, key index among its keys (0: none), a, b. KEYS: the sender's
-# marker (with a token), then per change the records it read and one per write. The
-# announcements of the changes applied go out as one message. With a token, the marker keeps
-# the batch's answer: a batch sent again (its first reply never came) answers the same without
-# applying anything twice. (A single commit is a batch of one, without a token: `batched`.)
-# A token is the sequence number of the batch's last change, its changes the ones after the
-# previous batch's: where the marker is past the first of them, another sent those already
-# under this sender's name (the reaper of a session declared dead while its host was only
-# stalled, or that host once awake): they are neither checked nor applied, and answered 2.
+# A change, applied only if every record it read still holds what it read; returns 1
+# (applied) or 0. ARGV: how many records it read, what each held ("" if absent, else "=" +
+# value), then per write: op, key index among KEYS (0: none), a, b. KEYS: the records it read,
+# then one per write. Its announcement, if any, is its last write ('P').
 COMMIT_SCRIPT = """
-local token, count, applied, at, base, channel, message = ARGV[1], tonumber(ARGV[2]), {}, 3, 0
-local taken, last = 0, 0
-if token ~= '' then
-  base = 1
-  local done = redis.call('GET', KEYS[1])
-  if done then
-    local colon = string.find(done, ':', 1, true)
-    if string.sub(done, 1, colon) == token .. ':' then
-      for i = colon + 1, #done do applied[#applied + 1] = tonumber(string.sub(done, i, i)) end
-      return applied
-    end
-    last = tonumber(string.sub(done, 1, colon - 1))
-    taken = last - (tonumber(token) - count)
+local read = tonumber(ARGV[1])
+for i = 1, read do
+  local held, now = ARGV[1 + i], redis.call('GET', KEYS[i])
+  if held == '' then
+    if now then return 0 end
+  elseif now ~= string.sub(held, 2) then
+    return 0
   end
 end
-for c = 1, count do
-  local keys, args, first = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), at + 2
-  local read, ok = tonumber(ARGV[first]), 1
-  if c <= taken then
-    ok = 2
-  else
-    for i = 1, read do
-      local held, now = ARGV[first + i], redis.call('GET', KEYS[base + i])
-      if held == '' then
-        if now then ok = 0 break end
-      elseif now ~= string.sub(held, 2) then
-        ok = 0 break
-      end
-    end
+for w = read + 2, #ARGV, 4 do
+  local op, key, a, b = ARGV[w], KEYS[tonumber(ARGV[w + 1])], ARGV[w + 2], ARGV[w + 3]
+  if op == 'S' then redis.call('SET', key, a)
+  elseif op == 'D' then redis.call('DEL', key)
+  elseif op == 'Z' then redis.call('ZADD', key, 0, a)
+  elseif op == 'R' then redis.call('ZREM', key, a)
+  elseif op == 'I' then redis.call('HINCRBY', key, a, b)
+  elseif op == 'H' then redis.call('HDEL', key, a)
+  elseif op == 'P' then redis.call('PUBLISH', a, b)
   end
-  if ok == 1 then
-    for w = first + read + 1, first + args - 1, 4 do
-      local op, key, a, b = ARGV[w], KEYS[base + tonumber(ARGV[w + 1])], ARGV[w + 2], ARGV[w + 3]
-      if op == 'S' then redis.call('SET', key, a)
-      elseif op == 'D' then redis.call('DEL', key)
-      elseif op == 'Z' then redis.call('ZADD', key, 0, a)
-      elseif op == 'R' then redis.call('ZREM', key, a)
-      elseif op == 'I' then redis.call('HINCRBY', key, a, b)
-      elseif op == 'H' then redis.call('HDEL', key, a)
-      elseif op == 'P' then  -- (one message for the batch: the engine id once)
-        if message then message = message .. string.sub(b, ID_END) else channel, message = a, b end
-      end
-    end
-  end
-  applied[c] = ok
-  at, base = first + args, base + keys
 end
-if message then redis.call('PUBLISH', channel, message) end
-if token ~= '' and tonumber(token) > last then
-  redis.call('SET', KEYS[1], token .. ':' .. table.concat(applied), 'PX', MARKER_MS)
-end
-return applied
-""".replace("ID_END", str(ENGINE_ID_BYTES + 1)).replace("MARKER_MS", str(MARKER_MS))
+return 1
+"""
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])
@@ -174,23 +125,7 @@ def counter_key(family: str) -> bytes:
     return PREFIX + family.encode()
 
 
-def batch_marker(sender: bytes) -> bytes:
-    """Where a write-behind sender's last batch and its answer are kept."""
-    return PREFIX + b"batch:" + sender.hex().encode()
-
-
-ScriptCall = tuple[list[bytes], list[bytes | int]]  # a change's part of COMMIT_SCRIPT's call
-
-
-def batched(calls: list[ScriptCall], marker: bytes = b"", token: bytes = b"") -> ScriptCall:
-    """COMMIT_SCRIPT's keys and arguments for changes checked and applied in this order
-    (with a `token` kept in `marker`: a batch that may be sent again)."""
-    keys: list[bytes] = [marker] if token else []
-    args: list[bytes | int] = [token, len(calls)]
-    for change_keys, change_args in calls:
-        keys += change_keys
-        args += [len(change_keys), len(change_args), *change_args]
-    return keys, args
+ScriptCall = tuple[list[bytes], list[bytes | int]]  # COMMIT_SCRIPT's keys and arguments
 
 
 def complete_prefix(record: bytes) -> bytes:

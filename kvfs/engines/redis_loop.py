@@ -63,7 +63,7 @@ class LoopConnection:
         """One command's reply (an error reply is returned, not raised)."""
         try:
             with trio.fail_after(CONNECT_TIMEOUT + REQUEST_TIMEOUT):
-                return await self._exchange(packed_command(args))
+                return await self._exchange(_packed(args))
         except (OSError, trio.TooSlowError, LoopConnectionError) as error:
             raise LoopConnectionError(f"{self.host}:{self.port}: {error!r}") from None
 
@@ -122,9 +122,9 @@ class LoopConnection:
     def _hello(self) -> list[bytes]:
         hello = []
         if self.password is not None:
-            hello.append(packed_command((b"AUTH", *filter(None, [self.username, self.password]))))
+            hello.append(_packed((b"AUTH", *filter(None, [self.username, self.password]))))
         if self.db:
-            hello.append(packed_command((b"SELECT", self.db)))
+            hello.append(_packed((b"SELECT", self.db)))
         return hello
 
 
@@ -176,7 +176,7 @@ class _Pipe:
         self._turns.unpark_all()
 
 
-def packed_command(args: tuple[bytes | str | int, ...]) -> bytes:
+def _packed(args: tuple[bytes | str | int, ...]) -> bytes:
     """A command as the protocol's array of bulk strings."""
     return hiredis.pack_command(args)  # type: ignore[arg-type]  # (its stub: a 1-tuple)
 

@@ -59,7 +59,6 @@ from kvfs.caller import Caller
 from kvfs.data.cache import BlockCache
 from kvfs.data.store import ChecksumError, DataStore, check_file_size
 from kvfs.data.verify import LateHasher, Verifier, VerifyMode
-from kvfs.engines.write_behind import WriteBehind
 from kvfs.files.content import Contents
 from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.files.passthrough import Passthrough
@@ -132,10 +131,6 @@ class FileTable:
     @property
     def spares(self) -> SpareFiles:
         return self.writer.spares
-
-    @property
-    def write_behind(self) -> WriteBehind | None:
-        return self.writer.write_behind
 
     async def open(self, ino: int, flags: int, caller: Caller, made: Inode | None = None,
                    nodeid: int | None = None) -> Opened:

@@ -21,7 +21,6 @@ from kvfs.data.staged import StagedFile
 from kvfs.data.store import DataStore, writable_length
 from kvfs.data.verify import LateHasher, Verifier
 from kvfs.data.volume_helper import HelperGone, VolumeHelper, move
-from kvfs.engines.write_behind import WriteBehind
 from kvfs.files.retiring import Retirer
 from kvfs.files.spares import SpareFiles
 from kvfs.files.state import FileState, Handle, privileges_to_clear
@@ -48,13 +47,9 @@ class Writer:
     def __init__(self, state: FileState, retirer: Retirer, meta: MetaStore, data: DataStore,
                  space: Space, session: Session, stats: Stats, verifier: Verifier,
                  hasher: LateHasher, spares: SpareFiles, helper: VolumeHelper | None,
-                 write_behind: WriteBehind | None,
                  take_blob_ids: Callable[[int], Awaitable[range]],
                  on_attributes_changed: Callable[[int], None]) -> None:
         """`helper`: makes spares and publishes (kvfs/data/volume_helper.py), if alive;
-        `write_behind`: set where a shared engine answers changes ahead of Redis: a small
-        file's close leaves its data's sync to that engine's queue, which syncs the files of
-        a batch together before sending it (one journal commit for many closes);
         `take_blob_ids`: that many fresh blob ids; `on_attributes_changed`: tell the kernel
         (setuid cleared)."""
         self.state = state
@@ -70,7 +65,6 @@ class Writer:
         self.spares = spares
         self.helper = helper
         self.publish_later = helper is not None  # closes leave every publishing to it
-        self.write_behind = write_behind
         self.on_attributes_changed = on_attributes_changed
         self._take_blob_ids = take_blob_ids
         self._blob_ids: range = range(0)
@@ -81,11 +75,8 @@ class Writer:
 
     def session_lost(self) -> None:
         """(the loop) This host was declared dead while it stalled, and its reaper took its
-        staging directory (made again since): spares named there are gone, and so is the
-        write-behind journal."""
+        staging directory (made again since): spares named there are gone."""
         self.spares.forget()
-        if self.write_behind is not None:
-            self.write_behind.rejournal()
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.state.handle(fh)
@@ -299,10 +290,7 @@ class Writer:
         volume helper does it, or where the store syncs: there the volume's operations are
         round trips. (A worker's renames, beside the loop, would cost it more in GIL
         hand-offs than it saves.)"""
-        if self.write_behind is not None:
-            blob = staged.finish(ino, hash_later, sync=False)
-            self.write_behind.data_left()
-        elif staged.syncs:
+        if staged.syncs:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
@@ -326,11 +314,7 @@ class Writer:
         async for staged in self._publish_queue:
             batch = [staged, *self._queued_for_publisher()]
             try:
-                publishing = batch
-                if self.write_behind is not None:  # (no caller waits: as the queue gathers)
-                    publishing = await off_loop(self._committed_of, batch, self.write_behind,
-                                                False)
-                for blob_id, error in await self._publish(publishing):
+                for blob_id, error in await self._publish(batch):
                     self.stats.volume_errors += 1
                     log.error("publishing blob %016x failed: %s", blob_id, error)
             except Exception:  # (a bug: the publisher goes on, the mount stays up)
@@ -340,23 +324,6 @@ class Writer:
                 self.retirer.publishing_over(staged.blob_id)
                 self._published_later.pop(staged.blob_id).set()
             self.stats.blobs_publishing = len(self._published_later)
-
-    def _committed_of(self, batch: list[StagedFile], write_behind: WriteBehind, hurry: bool
-                      ) -> list[StagedFile]:
-        """(blocking) Write-behind: those of `batch` whose commits reached the pool, once
-        every commit answered before them has (never a blob before its commit; `hurry`: the
-        queue goes now, else as it gathers). The others' commits were undone
-        (kvfs/engines/write_behind.py): their staged data goes, unpublished. None of them while
-        Redis cannot be reached (they stay in staging/, where readers find them)."""
-        if not write_behind.sent(hurry):
-            return []
-        named = self.meta.content.committed_blobs([staged.blob_id for staged in batch])
-        undone = [staged for staged in batch if staged.blob_id not in named]
-        for staged in undone:
-            self.data.discard_staging(staged.blob_id)
-        if undone:
-            log.warning("%d blobs whose commits were undone discarded", len(undone))
-        return [staged for staged in batch if staged.blob_id in named]
 
     async def _publish(self, batch: list[StagedFile]) -> list[tuple[int, OSError]]:
         """Publish each blob of `batch`: by the volume helper, else in a worker; the
@@ -386,8 +353,6 @@ class Writer:
         """At unmount: publish what the publisher had not taken yet (what it had, it finished:
         a worker call is never abandoned)."""
         queued = self._queued_for_publisher()
-        if self.write_behind is not None:
-            queued = self._committed_of(queued, self.write_behind, True)
         for blob_id, error in self._published(queued, _publish_all(queued)):
             log.error("publishing blob %016x failed: %s; recovery publishes it", blob_id, error)
 

@@ -26,7 +26,6 @@ from pyfuse3 import FileInfo
 
 from kvfs.data.verify import VerifyMode
 from kvfs.engines.interface import LoopChanges
-from kvfs.engines.write_behind import write_behind_counts
 from kvfs.files.passthrough import Passthrough
 from kvfs.meta import ROOT_INO, Inode, MetaStore
 from kvfs.meta.calls import off_loop
@@ -64,7 +63,6 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "metadata_conflicts": meta.engine.conflicts,
         "metadata_loop_commits": (meta.engine.loop_commits
                                   if isinstance(meta.engine, LoopChanges) else 0),
-        **write_behind_counts(meta.engine),
         "hosts": hosts,
         "models": models,
         "loads": loads.as_dict(),

@@ -26,10 +26,7 @@ class Content:
 
     def get(self, ino: int) -> tuple[Inode, BlobInfo | None]:
         """An inode and the record of its blob, as of one moment (a shared engine's reads
-        are not one snapshot: a blob replaced between the two reads means read again; so
-        does one this host's changes queued ahead of Redis still name, but another host has
-        replaced and deleted meanwhile: once they are in Redis)."""
-        waited_for_queue = not self.engine.shared
+        are not one snapshot: a blob replaced between the two reads means read again)."""
         while True:
             with self.engine.snapshot() as txn:
                 inode = self.core.get(txn, ino)
@@ -37,11 +34,7 @@ class Content:
                 if inode.blob and raw is None and self.core.get(txn, ino).blob != inode.blob:
                     continue
             if inode.blob and raw is None:
-                if waited_for_queue:
-                    raise fail(errno.EIO)
-                self.engine.sync()
-                waited_for_queue = True
-                continue
+                raise fail(errno.EIO)
             return inode, BlobInfo.unpack(inode.blob, raw) if raw is not None else None
 
     def get_held(self, ino: int, session: bytes) -> tuple[Inode, BlobInfo | None]:
@@ -68,13 +61,8 @@ class Content:
             return None if raw is None else BlobInfo.unpack(blob_id, raw)
 
     def is_committed_blob(self, blob_id: int) -> bool:
-        return blob_id in self.committed_blobs([blob_id])
-
-    def committed_blobs(self, blob_ids: list[int]) -> set[int]:
-        """Those of `blob_ids` that a commit names (one read)."""
         with self.engine.snapshot() as txn:
-            found = txn.get_many("blob", [u64(blob_id) for blob_id in blob_ids])
-        return {blob_id for blob_id, raw in zip(blob_ids, found, strict=True) if raw is not None}
+            return txn.get("blob", u64(blob_id)) is not None
 
     def allocate_blob_ids(self, count: int) -> range:
         """Take `count` blob ids in one transaction (writers take them in batches)."""
@@ -92,8 +80,6 @@ class Content:
         def change(txn: Txn) -> tuple[Inode, int]:
             inode = self.core.get(txn, ino)
             old_blob = inode.blob
-            if old_blob:  # (the caller frees it on this change's word)
-                txn.agree_first()
             self.core.release_blob(txn, old_blob)
             size = allocated = 0
             if blob is not None:

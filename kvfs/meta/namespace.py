@@ -174,8 +174,6 @@ class Namespace:
             if self._child(txn, parent, name) is not None:
                 raise fail(errno.EEXIST)
             is_dir = stat.S_ISDIR(mode)
-            if is_dir:
-                txn.agree_first()
             owner_gid, full_mode = gid, mode
             if parent_inode.mode & stat.S_ISGID:  # BSD group semantics of setgid directories
                 owner_gid = parent_inode.gid
@@ -229,7 +227,6 @@ class Namespace:
         check_name(name)
         now = time.time_ns()
         def change(txn: Txn) -> Removed:
-            txn.agree_first()
             parent_inode = self._dir(txn, parent)
             inode = self._child(txn, parent, name)
             if inode is None:
@@ -292,8 +289,6 @@ class Namespace:
             if moved is None:
                 raise fail(errno.ENOENT)
             target = self._child(txn, new_parent, new_name)
-            if moved.is_dir or target is not None:  # (what it frees is freed on its word)
-                txn.agree_first()
             if moved.is_dir and self._is_ancestor(txn, moved.ino, new_parent):
                 raise fail(errno.EINVAL)
             if flags & RENAME_EXCHANGE:

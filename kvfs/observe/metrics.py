@@ -21,7 +21,6 @@ GAUGES = {
     "files": "Files in the mount",
     "spare_staged_files": "Empty staged files made ahead for writers",
     "blobs_publishing": "Committed blobs not yet moved into blobs/ (readers find them staged)",
-    "write_behind_queued": "Metadata changes answered ahead of Redis, not sent yet",
 }
 COUNTERS = {
     "lookup_hits": "Lookups of existing names that reached the daemon",
@@ -39,12 +38,6 @@ COUNTERS = {
     "prefetch_used_bytes": "Prefetched bytes a reader opened later",
     "prefetch_wasted_bytes": "Prefetched bytes no reader opened within a minute",
     "opens_renewed": "Opens moved to a fresh kernel inode (ESTALE, retried by the kernel)",
-    "write_behind_answered": "Metadata changes answered ahead of Redis (--write-behind)",
-    "write_behind_batches": "Batches of changes answered ahead sent to Redis",
-    "write_behind_redone": "Changes answered ahead that Redis found stale, made again",
-    "write_behind_lost": "Changes answered ahead that could not be made, undone",
-    "write_behind_recovered": "Changes dead hosts answered ahead, applied from their journals",
-    "write_behind_unrecovered": "Changes found in dead hosts' journals and not applied",
 }
 REQUESTS = ("kvfs_request_seconds",
             "Time the daemon took to answer FUSE requests, by request (its own part)")

@@ -85,11 +85,6 @@ class Stats:
     background_errors: int = 0  # failed rounds of eviction, recency flushes, data deletion
     sessions_reaped: int = 0  # shared pool: dead hosts this host cleaned up after
     sessions_lost: int = 0  # shared pool: times this host was declared dead while alive
-    # Shared pool: changes dead hosts had answered ahead of Redis (write-behind) that this host
-    # applied from their journals when it reaped them; and those it found there but did not
-    # apply (another host had changed what they read, or the host had gone down).
-    write_behind_recovered: int = 0
-    write_behind_unrecovered: int = 0
     blobs_held: int = 0  # blobs this host has open now (in a shared pool, held for all to see)
     spare_staged_files: int = 0  # empty staged files made ahead for writers (kvfs/files/spares.py)
     blobs_publishing: int = 0  # committed blobs the publisher has yet to move into blobs/

@@ -5,9 +5,7 @@ hosts of a shared pool, crash recovery and fsck (all blocking: worker threads or
   their records. In a shared pool a blob some host still holds open, or still publishes from
   its staging directory, is left for a later sweep.
 - A session that ended without unmounting (a host that died; at recovery or fsck, every
-  session of the pool): what its write-behind journal holds that Redis lacks is applied
-  (kvfs/engines/write_behind.py; before the session is claimed: two reapers applying it at once
-  apply it once), its staging directory is rolled forward (committed blobs published,
+  session of the pool): its staging directory is rolled forward (committed blobs published,
   the rest deleted); files whose block sums it had not taken yet are kept, to be hashed, if it
   ran in this machine's boot (their bytes are in this page cache or on the volume), and
   dropped otherwise (they may never have reached the volume: a miss, never a wrong chunk).
@@ -24,7 +22,6 @@ from dataclasses import dataclass
 
 from kvfs.data.store import DataStore
 from kvfs.data.volume import Volume, boot_id
-from kvfs.engines.write_behind import WritesBehind
 from kvfs.meta import MetaStore
 
 log = logging.getLogger(__name__)
@@ -52,24 +49,14 @@ class Leftovers:
     discarded: int  # staged data no commit named
     to_hash: list[int]  # blobs whose sums are still to be taken (it ran in this boot)
     dropped: int  # files dropped because their sums were never taken (another boot)
-    recovered: int  # changes it answered ahead of Redis, applied from its journal
-    unrecovered: int  # ... found there but not applied (stale, or from another boot)
 
 
 def reap_session(meta: MetaStore, data: DataStore, volume: Volume, session: bytes,
                  record: dict) -> Leftovers | None:
-    """Clean up after the dead `session`; `record`: what it registered (host, pid, boot,
-    engine). None if another reaper claimed it first."""
+    """Clean up after the dead `session`; `record`: what it registered (host, pid, boot).
+    None if another reaper claimed it first."""
     directory = data.staging_root / session.hex()
     same_boot = record.get("boot") == boot_id()
-    sender = bytes.fromhex(record.get("engine", ""))
-    recovered = unrecovered = 0
-    if sender and directory.is_dir() and isinstance(meta.engine, WritesBehind):
-        recovered, unrecovered = meta.engine.replay_behind(directory, sender, same_boot)
-        if recovered or unrecovered:
-            log.warning("session %s: %d metadata changes it had answered ahead of Redis "
-                        "applied from its journal, %d not (%s)", session.hex(), recovered,
-                        unrecovered, "stale" if same_boot else "written before a reboot")
     if not meta.pool.end_session(session):
         return None
     published, discarded = (data.recover(meta.content.is_committed_blob, directory)
@@ -87,7 +74,7 @@ def reap_session(meta: MetaStore, data: DataStore, volume: Volume, session: byte
     volume.forget_mount(session)
     leftovers = Leftovers(published, discarded,
                           [blob_id for blob_id, _ in pending] if same_boot else [],
-                          0 if same_boot else len(pending), recovered, unrecovered)
+                          0 if same_boot else len(pending))
     log.warning("host %s (pid %s, session %s) stopped: %d staged blobs published, %d "
                 "discarded, %d files with pending sums %s", record.get("host"),
                 record.get("pid"), session.hex(), published, discarded, len(pending),

@@ -10,12 +10,11 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
   apart, while this host's own heartbeats went through, is dead (a Redis restart or stall
   therefore kills nobody); one whose daemon ran on this machine in this boot and has exited
   is dead at once (a daemon restarted after a crash recovers its old session's work now).
-  One live host claims it (an atomic removal of its record) and cleans up after it: what its
-  write-behind journal holds is applied, its staged blobs are published (committed) or
-  deleted (not), the files it wrote whose checksums were still pending are hashed if it ran
-  on this machine's boot and dropped otherwise (their bytes may never have reached the
-  volume), and its holds go. A host only stalled that finds itself reaped registers again
-  and loses nothing (kvfs/engines/write_behind.py, kvfs/data/store.py).
+  One live host claims it (an atomic removal of its record) and cleans up after it: its
+  staged blobs are published (committed) or deleted (not), the files it wrote whose
+  checksums were still pending are hashed if it ran on this machine's boot and dropped
+  otherwise (their bytes may never have reached the volume), and its holds go. A host only
+  stalled that finds itself reaped registers again and loses nothing (kvfs/data/store.py).
 - It holds, in the engine, every blob it has open (`held` records): eviction spares a file
   whose blob any host holds, and a replaced or removed blob's data file is deleted (the
   doomed sweep, every second, on every host) only once no host holds it and no host is still
@@ -42,7 +41,6 @@ import trio
 
 from kvfs.data.store import DataStore
 from kvfs.data.volume import Volume, boot_id
-from kvfs.engines.interface import LoopChanges
 from kvfs.meta import Inode, MetaStore, u64
 from kvfs.meta.calls import off_loop
 from kvfs.observe.stats import Stats
@@ -126,8 +124,6 @@ class Session:
         self._record: dict[str, Any] = {  # JSON: the session's record
             "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
             "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint), "staged": 0}
-        if isinstance(meta.engine, LoopChanges):  # (whose write-behind batches are its)
-            self._record["engine"] = meta.engine.id.hex()
         if self.shared:
             meta.engine.beat(self.id, ttl)
             meta.pool.register_session(self.id, json.dumps(self._record).encode())
@@ -294,8 +290,6 @@ class Session:
                     self.on_lost()
                 for leftovers in round_.reaped:
                     self.stats.sessions_reaped += 1
-                    self.stats.write_behind_recovered += leftovers.recovered
-                    self.stats.write_behind_unrecovered += leftovers.unrecovered
                     for blob_id in leftovers.to_hash:
                         want_sums(blob_id)
             except Exception:
