@@ -79,3 +79,16 @@ unpack_wheel_files vllm 0.34.0 .venv/vllm-tier tests/test_vllm_tier.py \
 unpack_wheel_files sglang 0.5.23 .venv/sglang-hicache tests/test_sglang.py \
     sglang/srt/mem_cache/hicache_storage.py sglang/srt/mem_cache/storage/file/lru_file_evictor.py \
     sglang/srt/environ.py
+# LMCache 0.5.7's multiprocess-mode `fs` L2 adapter (tests/lmcache_mp.py), beside the 0.5.6
+# installed above: the adapter, what it imports of LMCache's storage layer, and the native
+# extension it takes its Bitmap from (built for this interpreter: the wheel pip picks is).
+# 0.5.7 is a pre-release, which the exact pin allows.
+unpack_wheel_files lmcache 0.5.7rc2 .venv/lmcache-0.5.7 tests/test_lmcache_mp.py \
+    "lmcache/lmcache_native$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    lmcache/logging.py lmcache/v1/distributed/api.py lmcache/v1/distributed/internal_api.py \
+    lmcache/v1/distributed/error.py lmcache/v1/distributed/serde/base.py \
+    lmcache/v1/distributed/l2_adapters/base.py lmcache/v1/distributed/l2_adapters/config.py \
+    lmcache/v1/distributed/l2_adapters/factory.py \
+    lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py lmcache/v1/mp_observability/event.py \
+    lmcache/v1/mp_observability/event_bus.py lmcache/v1/mp_observability/otel_init.py \
+    lmcache/v1/platform/event_notifier.py
