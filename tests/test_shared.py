@@ -363,6 +363,29 @@ def test_a_miss_cached_on_one_host_never_hides_another_hosts_name(shared_pool,
     assert_pool_counters_exact(first)
 
 
+def test_an_open_with_o_creat_of_a_name_another_host_just_made_opens_it(shared_pool) -> None:
+    """O_CREAT without O_EXCL opens what is there, as on ext4, also when this host's kernel
+    still holds a miss for the name another host just made (it asks kvfs to create it): never
+    EEXIST; the open sees the other host's bytes, and O_TRUNC empties them."""
+    first, second = shared_pool(2)
+    (second.mountpoint / "d").mkdir()
+    assert seen_within(lambda: (first.mountpoint / "d").is_dir())
+    for n in range(40):
+        name = f"k{n}.tmp"
+        assert missing(second.mountpoint / "d" / name)  # (a miss this kernel may cache)
+        content = b"first host %d" % n
+        (first.mountpoint / "d" / name).write_bytes(content)
+        flags = os.O_CREAT | os.O_RDWR | (os.O_TRUNC if n % 2 else 0)
+        fd = os.open(second.mountpoint / "d" / name, flags, 0o644)
+        try:
+            assert os.pread(fd, 64, 0) == (b"" if n % 2 else content)
+        finally:
+            os.close(fd)
+    with pytest.raises(FileExistsError):
+        os.open(second.mountpoint / "d" / "k0.tmp", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    assert_pool_counters_exact(first)
+
+
 def test_a_full_redis_refuses_creates_and_keeps_removals(shared_pool, redis_server) -> None:
     """Above 90 % of Redis's maxmemory a create fails ENOSPC on every host (each host's
     watcher looks once a second: no create waits for that look) and a removal still works;

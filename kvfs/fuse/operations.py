@@ -32,7 +32,7 @@ from kvfs.meta import NAME_MAX, Inode, MetaStore
 from kvfs.meta.calls import MetaCalls, off_loop
 from kvfs.observe.stats import Stats
 from kvfs.pool.space import Space
-from kvfs.records import FsError
+from kvfs.records import FsError, fail
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,22 @@ def guard_handlers(cls: type) -> type:
         if inspect.iscoroutinefunction(member) and not name.startswith("_"):
             setattr(cls, name, guarded(member, ROUTES.get(name)))
     return cls
+
+
+def permits(attributes: Inode, mode: int, ctx: RequestContext) -> bool:
+    """Whether the caller may access a file with these attributes in `mode` (access(2)'s
+    R_OK, W_OK, X_OK): root anything but executing a file without an execute bit; another
+    user its class's bits."""
+    if ctx.uid == 0:
+        return not (mode & os.X_OK and not attributes.is_dir
+                    and not attributes.mode & EXECUTE_BITS)
+    if ctx.uid == attributes.uid:
+        granted = attributes.mode >> 6
+    elif caller(ctx).in_group(attributes.gid):
+        granted = attributes.mode >> 3
+    else:
+        granted = attributes.mode
+    return mode & granted & 0o7 == mode & 0o7
 
 
 def caller(ctx: RequestContext) -> Caller:
@@ -288,17 +304,7 @@ class KvfsOperations(pyfuse3.Operations):
         """access(2) and chdir, asked where the kernel leaves permissions to kvfs (a mount
         root alone reaches, see `Daemon.mount`): root may do anything but execute a file
         without an execute bit; another user (not let in there) gets its class's bits."""
-        attributes = await self._attributes(self.kernel.ino(inode))
-        if ctx.uid == 0:
-            return not (mode & os.X_OK and not attributes.is_dir
-                        and not attributes.mode & EXECUTE_BITS)
-        if ctx.uid == attributes.uid:
-            granted = attributes.mode >> 6
-        elif caller(ctx).in_group(attributes.gid):
-            granted = attributes.mode >> 3
-        else:
-            granted = attributes.mode
-        return mode & granted & 0o7 == mode & 0o7
+        return permits(await self._attributes(self.kernel.ino(inode)), mode, ctx)
 
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
@@ -439,11 +445,39 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
-                                            stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        try:
+            inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
+                                                stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
+                                                ctx.gid)
+        except FsError as error:
+            if error.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            # The kernel thought the name free (a miss it cached before another host, or
+            # another process, made it): without O_EXCL the open opens what is there.
+            return await self._open_existing(parent_inode, name, flags, ctx)
         opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
                                        nodeid=inode.ino)
         return opened.file_info(), entry_attributes(inode, self.caching.entry)
+
+    async def _open_existing(self, parent_inode: int, name: bytes, flags: int,
+                             ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        inode = await self.meta_call(self.meta.namespace.lookup, parent_inode, name)
+        if inode is None:  # removed again meanwhile
+            raise fail(errno.ENOENT)
+        if inode.is_dir:
+            raise fail(errno.EISDIR)
+        if not stat.S_ISREG(inode.mode):
+            raise fail(errno.EEXIST)
+        wanted = {os.O_RDONLY: os.R_OK, os.O_WRONLY: os.W_OK}.get(
+            flags & os.O_ACCMODE, os.R_OK | os.W_OK)
+        if not permits(inode, wanted, ctx):
+            raise fail(errno.EACCES)
+        if self.files.has_writer(inode.ino):
+            self.kernel.renew(inode.ino)  # (as a lookup does: `_looked_up`)
+        nodeid = self.kernel.nodeid(inode.ino)
+        opened = await self.files.open(inode.ino, flags, caller(ctx), nodeid=nodeid)
+        attributes = await self.files.attributes(inode.ino, nodeid=nodeid)
+        return opened.file_info(), self._told(self._entry(attributes))
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         opened = await self.files.open(self.kernel.ino(inode), flags, caller(ctx),
