@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shlex
 import shutil
 import stat
@@ -55,7 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench_io import REPO, KvfsMount, drop_caches, run_cleaning_up, save_report
+from bench_io import REPO, KvfsMount, drop_caches, log_problems, run_cleaning_up, save_report
 from rich.console import Console
 from rich.table import Table
 
@@ -77,7 +76,6 @@ FILL_SYNC_EVERY = 8  # batches between waits for LMDB to hold the fill so far (b
 SMALL_FILE = os.urandom(4096)
 REPEAT_LIMIT_S = 600  # a listing that took longer is not repeated on the running daemon
 SAMPLE_SECONDS = 0.02  # the daemon's anonymous memory is sampled this often during a listing
-RECORD_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a kvfs log record's first line
 
 
 def page_name(index: int) -> str:
@@ -299,24 +297,6 @@ class DaemonWatch:
                                        - before_requests.get(request, {}).get("seconds", 0), 3)}
             for request, now in after.items()
             if now["count"] != before_requests.get(request, {}).get("count", 0)}
-
-
-def log_problems(log: Path) -> list[str]:
-    """The WARNING and worse records of a kvfs log."""
-    try:
-        lines = log.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    found: list[str] = []
-    keep = False
-    for line in lines:
-        if RECORD_START.match(line):
-            keep = any(level in line for level in (" WARNING ", " ERROR ", " CRITICAL "))
-            if keep:
-                found.append(line)
-        elif keep:
-            found[-1] += "\n" + line
-    return found
 
 
 def disk_bytes(path: Path) -> int:

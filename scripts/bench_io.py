@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import signal
 import stat
 import subprocess
@@ -354,3 +355,24 @@ def save_report(out: Path, report: dict[str, Any], workdir: Path, console: Any,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"results saved to {out}")
+
+
+RECORD_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a kvfs log record's first line
+
+
+def log_problems(log: Path) -> list[str]:
+    """The WARNING and worse records of a kvfs log, each with its traceback if it has one."""
+    try:
+        lines = log.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    found: list[str] = []
+    keep = False
+    for line in lines:
+        if RECORD_START.match(line):
+            keep = any(level in line for level in (" WARNING ", " ERROR ", " CRITICAL "))
+            if keep:
+                found.append(line)
+        elif keep:
+            found[-1] += "\n" + line
+    return found

@@ -31,7 +31,6 @@ import json
 import os
 import queue
 import random
-import re
 import shlex
 import shutil
 import statistics
@@ -53,6 +52,7 @@ from bench_io import (
     create_small_files,
     drop_caches,
     kv_name,
+    log_problems,
     make_empty_files,
     read_files,
     run_cleaning_up,
@@ -69,7 +69,6 @@ TARGETS = ("plain", "lmdb", "redis")
 LABELS = {"plain": "plain", "lmdb": "kvfs LMDB", "redis": "kvfs Redis"}
 MISSING_BASE = 10**12  # kv_name indices from here on are never created
 VISIBILITY_TIMEOUT_S = 10.0
-RECORD_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a log record's first line
 
 
 def in_turn(run: int) -> tuple[str, ...]:
@@ -413,24 +412,6 @@ def read_stats(mountpoint: Path) -> dict[str, Any] | None:
         return json.loads((mountpoint / ".kvfs" / "stats").read_text())
     except (OSError, ValueError):
         return None
-
-
-def log_problems(log: Path) -> list[str]:
-    """The WARNING and worse records of a kvfs log, each with its traceback if it has one."""
-    try:
-        lines = log.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    found: list[str] = []
-    keep = False
-    for line in lines:
-        if RECORD_START.match(line):
-            keep = any(level in line for level in (" WARNING ", " ERROR ", " CRITICAL "))
-            if keep:
-                found.append(line)
-        elif keep:
-            found[-1] += "\n" + line
-    return found
 
 
 # -- output --------------------------------------------------------------------------------------
