@@ -247,10 +247,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def slab_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Slab:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """Bytes of the kernel's slab objects in use (dentries, inodes, ...): /proc/slabinfo's
+    active objects times their size. (Not meminfo's Slab, which counts the pages the caches
+    hold: objects freed by a drop_caches leave pages that later ones fill without growth.)"""
+    total = 0
+    for line in Path("/proc/slabinfo").read_text().splitlines()[2:]:
+        fields = line.split()
+        total += int(fields[1]) * int(fields[3])
+    return total
 
 
 class DaemonWatch:
@@ -329,7 +333,7 @@ SGLANG = "SGLang start-up scan (listdir + stat each)"
 RSS_SCANDIR = "daemon peak RSS (VmHWM), scandir"
 RSS_SGLANG = "daemon peak RSS (VmHWM), SGLang scan"
 ANON_SGLANG = "daemon peak anonymous memory, SGLang scan"
-SLAB_SGLANG = "kernel slab growth, SGLang scan"
+SLAB_SGLANG = "kernel slab objects in use, growth, SGLang scan"
 MOUNT = "mount time"
 FILL = "fill rate (kvfs: offline, LMDB; plain: mknod)"
 LMDB_SIZE = "LMDB size on disk"
