@@ -214,7 +214,7 @@ def test_data_dir_on_readonly_volume_is_one_line(tmp_path: Path, readonly_dir: P
     ["--capacity", "lots"],
     ["--capacity", "-5G"],
     ["--capacity", ""],
-    ["--io-uring", "on"],  # (removed options are refused like unknown ones)
+    ["--io-uring", "on"],  # (options kvfs does not have are refused like any unknown one)
     ["--write-behind", "5"],
 ])
 def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str]) -> None:
