@@ -54,7 +54,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench_io import REPO, KvfsMount, drop_caches, log_problems, run_cleaning_up, save_report
+from bench_io import (
+    REPO,
+    KvfsMount,
+    drop_caches,
+    log_problems,
+    run_cleaning_up,
+    save_report,
+    stat_timed,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -175,18 +183,7 @@ class Latencies:
 
 
 def stat_each(paths: list[str]) -> Latencies:
-    clock = time.perf_counter
-    found = 0
-    seconds = []
-    for path in paths:
-        before = clock()
-        try:
-            os.stat(path)
-            found += 1
-        except FileNotFoundError:
-            pass
-        seconds.append(clock() - before)
-    return Latencies(found, seconds)
+    return Latencies(*stat_timed(paths))
 
 
 def create_files(paths: list[str]) -> None:

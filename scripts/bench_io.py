@@ -131,13 +131,11 @@ def look_up_then_load(paths: list[str], gap: float, start_at: float) -> Span:
     return read_files(paths, 0.0, buffer)
 
 
-def stat_paths(paths: list[str], start_at: float) -> Span:
-    """stat() each path (missing ones too), timing each call."""
+def stat_timed(paths: list[str]) -> tuple[int, list[float]]:
+    """stat() each path (missing ones too): how many exist, and each call's seconds."""
     latencies = []
     found = 0
-    _wait_until(start_at)
     clock = time.perf_counter
-    start = clock()
     for path in paths:
         before = clock()
         try:
@@ -146,7 +144,15 @@ def stat_paths(paths: list[str], start_at: float) -> Span:
         except FileNotFoundError:
             pass
         latencies.append(clock() - before)
-    return Span(start, clock(), len(paths), tuple(latencies))
+    return found, latencies
+
+
+def stat_paths(paths: list[str], start_at: float) -> Span:
+    """stat() each path (missing ones too), timing each call."""
+    _wait_until(start_at)
+    start = time.perf_counter()
+    _, latencies = stat_timed(paths)
+    return Span(start, time.perf_counter(), len(paths), tuple(latencies))
 
 
 def create_small_files(paths: list[str], start_at: float) -> Span:
