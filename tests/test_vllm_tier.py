@@ -16,6 +16,8 @@ from conftest import KvfsMount, assert_counters_exact, blob_files, drop_caches, 
 from test_shared import assert_pool_counters_exact
 from vllm_tier import MIB, VLLM_DIR, run_worker, stamped_index
 
+from kvfs.pool.space import HIGH_WATERMARK
+
 BLOCKS = 64  # of 2 MiB (16 tokens of Llama-3.1-8B): 128 MiB per store
 JOB_BLOCKS = 4  # the worker's default: blocks per job, as one request's blocks are submitted
 
@@ -29,6 +31,12 @@ def assert_loaded(result: dict[str, Any], indices: list[int]) -> None:
     assert result["loaded"] == result["hits"] == len(indices)
     asked = range(result["first"], result["first"] + result["blocks"])
     assert sorted(set(asked) - set(result["missing"])) == indices
+
+
+def at_rest(kvfs: KvfsMount) -> bool:
+    """Usage is at or below the high watermark: background eviction has nothing to do."""
+    shown = stats(kvfs.mountpoint)
+    return shown["used_bytes"] <= HIGH_WATERMARK * shown["capacity_bytes"]
 
 
 def tier_files(root: Path) -> list[Path]:
@@ -101,6 +109,9 @@ def test_past_capacity_lru_evicts_and_every_block_loaded_is_exact(make_mount) ->
         # counts that as a failed store and removes its temp file)
         assert "No space left on device" in error or "Short write" in error, error
     assert not [path for path in tier_files(root) if path.name.endswith(".tmp")]
+    # The pool at rest: background eviction (above the high watermark) has run, so that no
+    # block is evicted between the loader's lookup and its open (a miss vLLM would recompute).
+    assert wait_for(lambda: at_rest(kvfs)), stats(kvfs.mountpoint)
 
     loaded = run_worker("load", root, BLOCKS, seed=5)
     missing = set(loaded["missing"])
