@@ -39,6 +39,7 @@ from typing import Any
 import psutil
 from bench_io import (
     CHUNK_BYTES,
+    ENGINE,
     MIB,
     REPO,
     KvfsMount,
@@ -56,6 +57,7 @@ from bench_io import (
     make_tree,
     read_files,
     run_cleaning_up,
+    run_engine,
     save_report,
     stat_paths,
     walk_tree,
@@ -73,7 +75,6 @@ from kvfs.data.verify import HASH_QUIET_SECONDS
 CONSOLE = Console()
 PROCESSES = multiprocessing.get_context("forkserver")
 TARGETS = ("plain", "kvfs")
-ENGINE = REPO / "tests" / "lmcache_engine.py"
 MISSING_BASE = 10**12  # kv_name indices from here on are never created
 REPEATED_HITS = "stat existing names, repeated at once (kernel-cached)"
 REPEATED_MISSES = "stat missing names, repeated at once (kernel-cached)"
@@ -829,25 +830,6 @@ def stat_latency_name(count: int) -> str:
 
 def mount_time_name(count: int) -> str:
     return f"mount time, {count:,} files"
-
-
-def run_engine(ops: list[str], directory: Path, chunks: int, backend: str = "fs",
-               *options: str) -> dict[str, Any]:
-    """One real LMCache engine process (tests/lmcache_engine.py); returns its JSON report."""
-    result = subprocess.run(
-        [sys.executable, str(ENGINE), *ops, "--backend", backend, *options, "--dir",
-         str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    lines = result.stdout.strip().splitlines()
-    if result.returncode or not lines:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{' '.join(ops)} exited {result.returncode}: {tail}")
-    report = json.loads(lines[-1])
-    if report.get("errors"):
-        raise RuntimeError(f"{' '.join(ops)} logged errors: {report['errors'][:2]}")
-    return report
 
 
 # -- verdicts and output -------------------------------------------------------------------------

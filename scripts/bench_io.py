@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))
 MIB = 1 << 20
 CHUNK_BYTES = 32 * MIB  # one LMCache chunk of Llama-3.1-8B fp16 (256 tokens)
 SMALL_FILE_BYTES = 4096
+ENGINE = REPO / "tests" / "lmcache_engine.py"  # a real LMCache engine process
 
 
 @dataclass(frozen=True)
@@ -277,10 +278,12 @@ def fio_bandwidth(directory: Path, filename: str, rw: str, size: int) -> float:
 class KvfsMount:
     """One kvfs volume mounted by the repository's mount_kvfs.py (a daemon of its own)."""
 
-    def __init__(self, data: Path, mountpoint: Path, options: list[str]) -> None:
+    def __init__(self, data: Path, mountpoint: Path, options: list[str],
+                 checkout: Path = REPO) -> None:
         self.data = data
         self.mountpoint = mountpoint
         self.options = options
+        self.checkout = checkout  # the kvfs checkout whose mount_kvfs.py (and kvfs/) serves
         self.pid = 0
 
     @property
@@ -292,9 +295,9 @@ class KvfsMount:
         """Mount; returns the seconds until mount_kvfs.py returned (the mount is live)."""
         start = time.perf_counter()
         result = subprocess.run(
-            [sys.executable, str(REPO / "mount_kvfs.py"), str(self.mountpoint),
+            [sys.executable, str(self.checkout / "mount_kvfs.py"), str(self.mountpoint),
              "--data", str(self.data), *self.options],
-            capture_output=True, text=True, cwd=REPO,
+            capture_output=True, text=True, cwd=self.checkout,
         )
         seconds = time.perf_counter() - start
         if result.returncode:
@@ -325,6 +328,25 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def run_engine(ops: list[str], directory: Path, chunks: int, backend: str = "fs",
+               *options: str) -> dict[str, Any]:
+    """One real LMCache engine process (tests/lmcache_engine.py); returns its JSON report."""
+    result = subprocess.run(
+        [sys.executable, str(ENGINE), *ops, "--backend", backend, *options, "--dir",
+         str(directory), "--preset", "llama-3.1-8b", "--chunks", str(chunks)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{' '.join(ops)} exited {result.returncode}: {tail}")
+    report = json.loads(lines[-1])
+    if report.get("errors"):
+        raise RuntimeError(f"{' '.join(ops)} logged errors: {report['errors'][:2]}")
+    return report
 
 
 def run_cleaning_up(bench: Any, console: Any) -> tuple[float, bool]:
