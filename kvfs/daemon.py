@@ -22,6 +22,7 @@ from kvfs.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_READAHEAD_BYTES, BlockC
 from kvfs.data.verify import LateHasher, Verifier, VerifyMode
 from kvfs.data.volume import DEFAULT_DATA_DIR, Volume, VolumeError
 from kvfs.data.volume_helper import VolumeHelper
+from kvfs.engines.redis_layout import DEFAULT_DEADLINE
 from kvfs.files import Contents, FileState, FileTable, Retirer, Writer
 from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.files.passthrough import Passthrough
@@ -64,6 +65,7 @@ class MountConfig:
     max_background: int = tuning.DEFAULT_MAX_BACKGROUND
     meta_url: str | None = None  # a shared engine (redis://...); None: LMDB in DATA/meta
     session_ttl: float = DEFAULT_TTL
+    deadline: float = DEFAULT_DEADLINE  # seconds a request may wait on the shared engine
     meta_map_size: int = DEFAULT_MAP_SIZE
     log_file: Path | None = None
     syslog: bool = False
@@ -112,7 +114,8 @@ class Daemon:
     def __init__(self, config: MountConfig) -> None:
         self.config = config
         self.volume = Volume(config.data)
-        self.meta = self.volume.open_metadata(config.meta_url, config.meta_map_size)
+        self.meta = self.volume.open_metadata(config.meta_url, config.meta_map_size,
+                                              deadline=config.deadline)
         self.shared = self.meta.engine.shared
         session_id = new_session_id(self.meta)
         # Other hosts read a file from the shared volume, not from this host's page cache:

@@ -80,6 +80,10 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-ttl", type=float, default=MountConfig.session_ttl,
                         help="shared pool: seconds without heartbeat after which other hosts "
                              "clean up after this one (default %(default)s)")
+    parser.add_argument("--deadline", type=float, default=MountConfig.deadline,
+                        metavar="SECONDS",
+                        help="shared pool: the longest a request waits on Redis before it "
+                             "fails with EIO (default %(default)s)")
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
     parser.add_argument("--verify", type=VerifyMode, choices=list(VerifyMode),
@@ -118,7 +122,7 @@ def mount_command(args: argparse.Namespace) -> None:
         foreground=args.foreground, debug=args.debug, allow_other=args.allow_other,
         fsync=args.fsync, cache_bytes=args.cache_size, readahead_bytes=args.readahead,
         read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
-        meta_url=args.meta, session_ttl=args.session_ttl,
+        meta_url=args.meta, session_ttl=args.session_ttl, deadline=args.deadline,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,

@@ -100,10 +100,11 @@ class Volume:
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def open_metadata(self, url: str | None = None, map_size: int = DEFAULT_MAP_SIZE,
-                      readonly: bool = False) -> MetaStore:
-        """The metadata store: LMDB in meta/ (url None), or the shared engine at `url`. A
-        volume keeps the kind it was made with: the other is refused."""
-        engine = self._open_engine(url, map_size, readonly)
+                      readonly: bool = False, deadline: float | None = None) -> MetaStore:
+        """The metadata store: LMDB in meta/ (url None), or the shared engine at `url`, whose
+        requests wait at most `deadline` seconds (None: the engine's default). A volume keeps
+        the kind it was made with: the other is refused."""
+        engine = self._open_engine(url, map_size, readonly, deadline)
         try:
             return MetaStore(engine, readonly)
         except (lmdb.Error, RuntimeError, FsError) as error:
@@ -112,7 +113,8 @@ class Volume:
             raise VolumeError(f"metadata in {where} cannot be opened ({error}); "
                               f"check it with: kvfs fsck --data {self.root}") from None
 
-    def _open_engine(self, url: str | None, map_size: int, readonly: bool) -> Engine:
+    def _open_engine(self, url: str | None, map_size: int, readonly: bool,
+                     deadline: float | None) -> Engine:
         shared = self.shared_url()
         if url is None:
             if shared is not None:
@@ -135,7 +137,7 @@ class Volume:
         from kvfs.engines.redis_engine import RedisEngine  # the client: only shared pools load it
 
         try:
-            engine = RedisEngine(url)
+            engine = RedisEngine(url) if deadline is None else RedisEngine(url, deadline)
         except ValueError as error:
             raise VolumeError(str(error)) from None
         except (FsError, OSError) as error:

@@ -31,9 +31,12 @@ makes the change run again. The kernel's lookups and getattrs (`cached` snapshot
 it too, on the daemon's loop when it has the record (a name another host just stored is
 found without a round trip); everything else reads Redis.
 
-When Redis cannot be reached, a request fails with EIO after two attempts (each at most 1 s to
-connect, 2 s to answer), and requests fail at once for the next half second; the pool of
-connections reconnects when Redis is back.
+Every round trip has a deadline (`deadline`, the mount's --deadline): half of it for Redis's
+answer, over two attempts (a third of each to connect), the other half for the wait of a
+request for a worker thread (kvfs/meta/calls.py); a commit from the loop gets the same half.
+When Redis cannot be reached or does not answer within it, the request fails with EIO
+(counted: `timeouts`, `unreachable`), and requests fail at once for the next half second;
+the pool of connections reconnects when Redis is back.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from kvfs.engines.redis_change import Change, Reader
 from kvfs.engines.redis_layout import (
     CHANGES_CHANNEL,
     COMMIT_SCRIPT,
+    DEFAULT_DEADLINE,
     ENGINE_ID_BYTES,
     INDEXED,
     LOOKUP_SCRIPT,
@@ -75,12 +79,7 @@ from kvfs.engines.redis_layout import (
     reply,
     set_keys,
 )
-from kvfs.engines.redis_loop import (
-    CONNECT_TIMEOUT,
-    REQUEST_TIMEOUT,
-    LoopConnection,
-    LoopConnectionError,
-)
+from kvfs.engines.redis_loop import LoopConnection, LoopConnectionError
 from kvfs.records import FsError, fail
 
 log = logging.getLogger(__name__)
@@ -109,23 +108,27 @@ class RedisEngine:
 
     shared = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, deadline: float = DEFAULT_DEADLINE) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "redis" or not parsed.hostname:
             raise ValueError(f"not a redis://HOST:PORT/DB address: {url}")
         self.url = url
+        self.deadline = deadline
+        attempt = deadline / 2 / ATTEMPTS
         self.client = redis.Redis.from_url(
-            url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=REQUEST_TIMEOUT,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), ATTEMPTS - 1))
+            url, socket_connect_timeout=attempt / 3, socket_timeout=attempt * 2 / 3,
+            retry=Retry(ExponentialBackoff(cap=attempt / 10, base=0.02), ATTEMPTS - 1))
         self._down_until = 0.0
         self.conflicts = 0
+        self.timeouts = 0  # round trips Redis did not answer within the deadline
+        self.unreachable = 0  # round trips refused: Redis down, or just found down
         self._room = (0.0, True)
         self._lock = threading.Lock()
         self.id = os.urandom(ENGINE_ID_BYTES)
         self.cache = RecordCache()
         self._memory_only = threading.local()  # `from_memory` on this thread
         self.channel = CHANGES_CHANNEL % self.client.get_connection_kwargs().get("db", 0)
-        self.loop_connection = LoopConnection(url)
+        self.loop_connection = LoopConnection(url, deadline / 2)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
@@ -142,11 +145,12 @@ class RedisEngine:
         when it is past its maxmemory (it then refuses every write and script)."""
         self.round_trip_allowed()
         if time.monotonic() < self._down_until:
+            self.unreachable += 1
             raise fail(errno.EIO)
         try:
             result = method(*args)
         except (redis.ConnectionError, redis.TimeoutError) as error:
-            self._went_down(error)
+            self._went_down(error, isinstance(error, redis.TimeoutError))
             raise fail(errno.EIO) from None
         except redis.exceptions.OutOfMemoryError:
             raise fail(errno.ENOSPC) from None
@@ -154,8 +158,12 @@ class RedisEngine:
             self._came_back()
         return result
 
-    def _went_down(self, error: Exception) -> None:
+    def _went_down(self, error: Exception, timed_out: bool) -> None:
         with self._lock:
+            if timed_out:
+                self.timeouts += 1
+            else:
+                self.unreachable += 1
             if not self._down_until:
                 log.error("metadata engine %s unreachable: %s", self.url, error)
             self._down_until = time.monotonic() + DOWN_SECONDS
@@ -211,6 +219,7 @@ class RedisEngine:
         its change): a read the cache lacks, a second change, an error (a worker checks the
         view it came from), a conflict."""
         if time.monotonic() < self._down_until:
+            self.unreachable += 1
             raise fail(errno.EIO)
         pending: list[Change] = []  # (the one change, once `function` has made it)
         self._on_loop.pending = pending
@@ -229,7 +238,7 @@ class RedisEngine:
             self.conflicts += 1
             raise RoundTripNeeded from None
         except LoopConnectionError as error:
-            self._went_down(error)
+            self._went_down(error, error.timed_out)
             raise fail(errno.EIO) from None
         self.loop_commits += 1
         if self._down_until:

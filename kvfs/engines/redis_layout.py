@@ -29,6 +29,7 @@ PARTITIONED = frozenset({"dirlist", "links", "xattr", "held", "holding"})  # by 
 INDEXED = {"recency": 16, "pins": 1, "doomed": 1, "pending": 1, "sessions": 1}  # -> set count
 COUNTERS = frozenset({"counters", "models"})
 PAGE = 512
+DEFAULT_DEADLINE = 6.0  # seconds a request may wait on Redis, for a worker included (--deadline)
 # Channel of a pool's announcements, per database: Redis delivers a PUBLISH to subscribers on
 # every database of the server, and pools in two databases of one server share inode numbers.
 CHANGES_CHANNEL = PREFIX + b"changes:%d"

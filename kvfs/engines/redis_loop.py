@@ -25,8 +25,7 @@ import trio
 
 from kvfs.quick_lock import QuickLock
 
-CONNECT_TIMEOUT = 1.0  # seconds (also the threads' redis-py client's)
-REQUEST_TIMEOUT = 2.0
+DEFAULT_DEADLINE = 3.0  # seconds for a request, connecting included
 RECEIVE_BYTES = 65536
 
 
@@ -34,13 +33,18 @@ class LoopConnectionError(Exception):
     """Redis could not be reached or did not answer in time: whether a request sent was
     applied is not known."""
 
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out  # (else refused or closed: Redis is down, not slow)
+
 
 class LoopConnection:
     """Requests to the Redis server of a redis://[user:password@]host:port/db address, from
     trio tasks; connects at the first request and again after a failure."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, deadline: float = DEFAULT_DEADLINE) -> None:
         parsed = urlparse(url)
+        self.deadline = deadline
         self.host = parsed.hostname or "localhost"
         self.port = parsed.port or 6379
         self.db = int(parsed.path.lstrip("/") or 0)
@@ -62,9 +66,12 @@ class LoopConnection:
     async def request(self, *args: bytes | str | int) -> object:
         """One command's reply (an error reply is returned, not raised)."""
         try:
-            with trio.fail_after(CONNECT_TIMEOUT + REQUEST_TIMEOUT):
+            with trio.fail_after(self.deadline):
                 return await self._exchange(_packed(args))
-        except (OSError, trio.TooSlowError, LoopConnectionError) as error:
+        except trio.TooSlowError:
+            raise LoopConnectionError(f"{self.host}:{self.port}: no answer within "
+                                      f"{self.deadline} s", timed_out=True) from None
+        except (OSError, LoopConnectionError) as error:
             raise LoopConnectionError(f"{self.host}:{self.port}: {error!r}") from None
 
     def close(self) -> None:

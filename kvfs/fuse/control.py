@@ -32,7 +32,7 @@ from kvfs.meta.calls import off_loop
 from kvfs.observe.loads import LoadMeter
 from kvfs.observe.stats import Stats
 from kvfs.pool.space import Space
-from kvfs.records import fail
+from kvfs.records import FsError, fail
 
 CONTROL_DIR = b".kvfs"
 CONTROL_DIR_INO = (1 << 63) - 2
@@ -43,6 +43,11 @@ FIRST_HANDLE = 1 << 62  # control handles live apart from file handles
 USER_XATTR = b"user."
 
 
+# The pool's figures each mount last read (by id of its store), shown while its engine is
+# out of reach.
+_last_pool_view: dict[int, tuple[int, int, dict[str, dict[str, int]], int, int]] = {}
+
+
 async def snapshot(meta: MetaStore, space: Space, stats: Stats,
                    passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> dict:
     """The mount's state, taken on the loop (the metadata read in a worker)."""
@@ -50,8 +55,14 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         hosts = len(meta.pool.sessions()) if meta.engine.shared else 1
         return meta.recency.usage().files, hosts, meta.recency.models()
 
-    files, hosts, models = await off_loop(read)
-    capacity, used = await space.room()
+    try:
+        files, hosts, models = await off_loop(read)
+        capacity, used = await space.room()
+        _last_pool_view[id(meta)] = files, hosts, models, capacity, used
+        reachable = True
+    except FsError:  # (a shared engine out of reach: the counters still show, with the last view)
+        files, hosts, models, capacity, used = _last_pool_view.get(id(meta), (0, 0, {}, 0, 0))
+        reachable = False
     return {
         "data_path": passthrough.mode(),
         # (without passthrough the daemon checks every block it serves, whatever the option)
@@ -61,6 +72,10 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "files": files,
         **stats.as_dict(),
         "metadata_conflicts": meta.engine.conflicts,
+        # (shared engine) round trips that failed: no answer within the deadline, or refused
+        "metadata_reachable": reachable,
+        "metadata_timeouts": getattr(meta.engine, "timeouts", 0),
+        "metadata_unreachable": getattr(meta.engine, "unreachable", 0),
         "metadata_loop_commits": (meta.engine.loop_commits
                                   if isinstance(meta.engine, LoopChanges) else 0),
         "hosts": hosts,

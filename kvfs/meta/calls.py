@@ -12,14 +12,20 @@ hold; the committer thread (kvfs/engines/lmdb_engine.py) only moves answered cha
 Metadata reads and changes of the embedded engine are memory-mapped lookups and one append to its
 change log, microseconds: they run on the loop (`MetaCalls`), while on a shared engine they
 are round trips and go to a worker.
+
+A shared engine's calls have a deadline (`Deadlined.deadline`, the mount's --deadline): the
+engine bounds each round trip by half of it, and a call still waiting for a worker thread
+after the other half fails with EIO instead of starting (counted in the engine's `timeouts`):
+no request waits on a busy or stalled engine for longer.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import time
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import trio
 
@@ -42,6 +48,14 @@ async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) 
                                          limiter=WORKERS)
 
 
+@runtime_checkable
+class Deadlined(Protocol):
+    """An engine whose calls have a deadline, and count those that miss it."""
+
+    deadline: float
+    timeouts: int
+
+
 class MetaCalls:
     """Metadata reads and changes on the loop's behalf: inline where they cannot block (the
     embedded engine), in a worker where each is a network round trip (a shared engine). An
@@ -52,6 +66,7 @@ class MetaCalls:
         self.engine = engine
         self.blocking = engine.shared
         self.loop_changes = engine if isinstance(engine, LoopChanges) else None
+        self.deadlined = engine if isinstance(engine, Deadlined) else None
 
     async def cached(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A read whose answer the kernel caches (a `cached` snapshot): on a shared engine
@@ -84,11 +99,23 @@ class MetaCalls:
 
     async def __call__(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         if self.blocking:
-            return await off_loop(function, *args, **kwargs)
+            if self.deadlined is None:
+                return await off_loop(function, *args, **kwargs)
+            start_by = time.monotonic() + self.deadlined.deadline / 2
+            return await off_loop(self._in_time, start_by, functools.partial(
+                function, *args, **kwargs))
         try:
             return function(*args, **kwargs)
         except ChangesPending:
             return await self._after_pending(function, *args, **kwargs)
+
+    def _in_time(self, start_by: float, call: Callable[[], T]) -> T:
+        """(Worker) `call`, unless it waited for this worker past `start_by`: then EIO."""
+        if time.monotonic() > start_by:
+            assert self.deadlined is not None
+            self.deadlined.timeouts += 1
+            raise fail(errno.EIO)
+        return call()
 
     async def _after_pending(self, function: Callable[P, T], *args: P.args,
                              **kwargs: P.kwargs) -> T:
