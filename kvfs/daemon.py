@@ -11,6 +11,7 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,14 +85,33 @@ def check_mountpoint(path: Path) -> None:
             raise MountError(f"mountpoint {path} is not a directory" if path.exists()
                              else f"mountpoint {path} does not exist")
     except OSError as error:
-        if error.errno == errno.ENOTCONN:
-            raise MountError(f"mountpoint {path} is a dead mount (its daemon is gone); "
-                             f"run: fusermount3 -u {path}") from None
-        raise MountError(f"mountpoint {path}: {error.strerror}") from None
+        if error.errno != errno.ENOTCONN:
+            raise MountError(f"mountpoint {path}: {error.strerror}") from None
+        clear_dead_mount(path)
+        check_mountpoint(path)
+        return
     if find_mount(path) is not None:
         raise MountError(f"mountpoint {path} is already mounted")
     if any(path.iterdir()):
         raise MountError(f"mountpoint {path} is not empty")
+
+
+def clear_dead_mount(path: Path) -> None:
+    """Lazily unmount the kvfs mount at `path` whose daemon is gone (killed, crashed), as the
+    next daemon must before it mounts there: the restart a supervisor (systemd, a Kubernetes
+    pod) makes is then the same command. What processes had open on the dead mount keeps
+    failing with ENOTCONN; their new opens reach the new mount. A dead mount of another
+    file system is left to whoever made it."""
+    entry = find_mount(path)
+    if entry is None or entry.fstype != "fuse.kvfs":
+        raise MountError(f"mountpoint {path} is a dead mount of another file system "
+                         f"({entry.fstype if entry else 'unknown'}); run: fusermount3 -u {path}")
+    result = subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise MountError(f"mountpoint {path} is a dead kvfs mount that fusermount3 could not "
+                         f"clear: {result.stderr.strip() or result.returncode}")
+    log.warning("cleared the dead kvfs mount at %s (its daemon is gone)", path)
 
 
 def setup_logging(config: MountConfig) -> None:

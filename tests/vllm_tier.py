@@ -50,6 +50,7 @@ import logging
 import mmap
 import os
 import sys
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +71,7 @@ TOKEN_BYTES = LAYERS * 2 * 8 * 128 * 2
 GPU_BLOCK_TOKENS = 16  # vLLM's default block size: a 2 MiB block, one hash per block
 THREADS = 16  # FileSystemTierManager's default, per queue
 PAGE = 4096
+PASS_PAUSE = 0.02  # seconds between the passes of a load loop (`--seconds`)
 MAGIC = 0x6B7666732D766C6C  # "kvfs-vll"
 WORDS = PAGE // 8
 
@@ -277,7 +279,7 @@ class VllmTier:
 # -- worker processes ------------------------------------------------------------------------
 
 
-def work(args: argparse.Namespace) -> dict[str, Any]:
+def work(args: argparse.Namespace, collected: Collected) -> dict[str, Any]:
     tier = VllmTier(args.root, args.first, args.blocks, args.block_mib * MIB, args.seed,
                     args.job_blocks, args.buffered)
     indices = list(tier.indices)
@@ -288,6 +290,8 @@ def work(args: argparse.Namespace) -> dict[str, Any]:
         tier.fill()
         failed, seconds = timed(tier.store, indices)
         report |= {"seconds": seconds, "failed": failed}
+    elif args.seconds:
+        report["passes"] = load_passes(tier, indices, args.seconds, collected)
     else:
         hits, seconds = timed(tier.lookup, indices)
         found = [i for i, hit in zip(indices, hits, strict=True) if hit]
@@ -303,13 +307,35 @@ def work(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def load_passes(tier: VllmTier, indices: list[int], seconds: float,
+                collected: Collected) -> list[dict[str, Any]]:
+    """Lookups and loads of `indices` again and again for `seconds`, as an instance serving
+    one prompt after another does: per pass, when it started (seconds since the first), its
+    hits, failed and mismatched blocks and the first message vLLM's code logged."""
+    passes: list[dict[str, Any]] = []
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        began = time.monotonic() - start
+        logged = len(collected.messages)
+        found = [i for i, hit in zip(indices, tier.lookup(indices), strict=True) if hit]
+        failed = tier.load(found)
+        messages = collected.messages[logged:]
+        passes.append({"at": round(began, 3), "hits": len(found), "failed": len(failed),
+                       "mismatched": len(tier.mismatched(sorted(set(found) - set(failed)))),
+                       "message": messages[0] if messages else ""})
+        del collected.messages[logged:]  # a pass's messages are in its record
+        time.sleep(PASS_PAUSE)
+    return passes
+
+
 def run_worker(op: str, root: Path, blocks: int, *, first: int = 0, block_mib: int = 2,
-               seed: int = 0, job_blocks: int = 4, buffered: bool = False) -> dict[str, Any]:
+               seed: int = 0, job_blocks: int = 4, buffered: bool = False,
+               seconds: float = 0) -> dict[str, Any]:
     """Run `op` in a process of its own; its JSON report."""
     return run_json(Path(__file__), [
         op, "--root", str(root), "--blocks", str(blocks), "--first", str(first),
         "--block-mib", str(block_mib), "--seed", str(seed), "--job-blocks", str(job_blocks),
-        *(["--buffered"] if buffered else [])])
+        "--seconds", str(seconds), *(["--buffered"] if buffered else [])])
 
 
 def main() -> int:
@@ -326,10 +352,13 @@ def main() -> int:
     parser.add_argument("--job-blocks", type=int, default=4, help="blocks per job (request)")
     parser.add_argument("--buffered", action="store_true",
                         help="no O_DIRECT even where vLLM's probe finds it works")
+    parser.add_argument("--seconds", type=float, default=0,
+                        help="load: look up and load again and again for this long, and "
+                             "report each pass")
     args = parser.parse_args()
     collected = Collected()
     logging.getLogger().addHandler(collected)
-    report = work(args)
+    report = work(args, collected)
     print(json.dumps({**report, "errors": collected.messages}), flush=True)
     return 0
 
