@@ -137,7 +137,8 @@ def test_metrics_endpoint(make_mount) -> None:
     assert "kvfs_capacity_bytes 1.073741824e+09" in lines
     assert 'kvfs_model_bytes{model="meta-llama/Llama-3.1-8B"} 4096.0' in lines
     # (committed, whichever path moved the bytes: a 1 GiB pool lets its first writer pass)
-    assert any(line.startswith("kvfs_bytes_committed_total 4096") for line in lines)
+    assert 'kvfs_stored_bytes_total{client="lmcache"} 4096.0' in lines
+    assert 'kvfs_stored_bytes_total{client="other"} 0.0' in lines
     # one create answered, in some bucket, and in every bucket from there on
     assert 'kvfs_request_seconds_count{request="create"} 1.0' in lines
     assert 'kvfs_request_seconds_bucket{le="+Inf",request="create"} 1.0' in lines

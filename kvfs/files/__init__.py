@@ -168,6 +168,7 @@ class FileTable:
             self.space.note_use(inode.ino)
         if not writable and blob is not None:
             self.stats.bytes_opened += blob.size
+            self.stats.clients.loaded(inode.name, blob.size)
             self.prefetcher.opened(blob.blob_id, bool(flags & os.O_DIRECT))
             handle.load_model = model_of(inode.name) or OTHER
             self.loads.opened(handle.load_model, blob.size)

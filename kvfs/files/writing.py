@@ -278,6 +278,7 @@ class Writer:
         self.state.inodes[handle.ino].inode = inode
         self.stats.commits += 1
         self.stats.bytes_committed += blob.size
+        self.stats.clients.stored(inode.name, blob.size)
         return True
 
     async def _commit_from_loop(self, ino: int, staged: StagedFile, hash_later: bool,

@@ -30,6 +30,7 @@ from typing import ParamSpec, Protocol, TypeVar, runtime_checkable
 import trio
 
 from kvfs.engines.interface import ChangesPending, Engine, LoopChanges, RoundTripNeeded
+from kvfs.observe.latency import METADATA_CALLS
 from kvfs.records import fail
 
 T = TypeVar("T")
@@ -84,6 +85,13 @@ class MetaCalls:
         """A metadata change with no other effects (it may run twice): on a shared engine
         committed from the loop where its reads come from the engine's memory (a store's
         create and rename in a directory whose names this host knows), else as a call."""
+        started = time.perf_counter_ns()
+        try:
+            return await self._change(function, *args, **kwargs)
+        finally:
+            METADATA_CALLS.record(_name(function), time.perf_counter_ns() - started)
+
+    async def _change(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         if self.loop_changes is not None:
             try:
                 return await self.loop_changes.change_on_loop(
@@ -95,9 +103,16 @@ class MetaCalls:
                 return function(*args, **kwargs)
             except ChangesPending:
                 return await self._after_pending(function, *args, **kwargs)
-        return await self(function, *args, **kwargs)
+        return await self._call(function, *args, **kwargs)
 
     async def __call__(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        started = time.perf_counter_ns()
+        try:
+            return await self._call(function, *args, **kwargs)
+        finally:
+            METADATA_CALLS.record(_name(function), time.perf_counter_ns() - started)
+
+    async def _call(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         if self.blocking:
             if self.deadlined is None:
                 return await off_loop(function, *args, **kwargs)
@@ -125,3 +140,8 @@ class MetaCalls:
             return function(*args, **kwargs)
         except ChangesPending:
             raise fail(errno.ENOSPC) from None  # the engine is not applying them: full
+
+
+def _name(function: Callable) -> str:
+    """A metadata call's label: the called method's name (a few dozen, never a file's)."""
+    return getattr(function, "__name__", "other")

@@ -6,53 +6,10 @@ from dataclasses import dataclass, field, fields
 
 import pyfuse3
 
-# Upper bounds of the request-latency buckets, microseconds: powers of two, 16 µs to 1 s.
-LATENCY_BOUNDS_US = tuple(1 << power for power in range(4, 21))
-_OVERFLOW = len(LATENCY_BOUNDS_US)  # the bucket past the last bound
+from kvfs.observe.clients import ClientTraffic
+from kvfs.observe.latency import LATENCY_BOUNDS_US, METADATA_CALLS, RequestTimes
 
-
-class RequestTimes:
-    """How long the daemon took to answer each kind of request: from its handler's start to
-    its answer (pyfuse3's dispatch and the kernel's round trip, tens of µs, come on top)."""
-
-    def __init__(self) -> None:
-        self._buckets: dict[str, list[int]] = {}  # request -> counts per bound, then overflow
-        self._seconds: dict[str, float] = {}
-
-    def record(self, request: str, elapsed_ns: int) -> None:
-        """(No lock: handlers record on the loop, one at a time.)"""
-        bucket = (elapsed_ns // 1000 - 1).bit_length() - 4
-        buckets = self._buckets.get(request)
-        if buckets is None:
-            buckets = self._buckets[request] = [0] * (_OVERFLOW + 1)
-            self._seconds[request] = 0.0
-        buckets[0 if bucket < 0 else bucket if bucket < _OVERFLOW else _OVERFLOW] += 1
-        self._seconds[request] += elapsed_ns / 1e9
-
-    def answered(self) -> int:
-        """Requests of every kind answered so far."""
-        return sum(sum(buckets) for buckets in list(self._buckets.values()))
-
-    def histograms(self) -> dict[str, tuple[list[int], float]]:
-        """request -> (counts per bucket of LATENCY_BOUNDS_US then overflow, total seconds);
-        also from another thread (the metrics server's): list() copies in one C call."""
-        return {request: (list(buckets), self._seconds.get(request, 0.0))
-                for request, buckets in list(self._buckets.items())}
-
-    def as_dict(self) -> dict[str, dict[str, float | None]]:
-        return {request: {"count": sum(buckets), "seconds": round(seconds, 6),
-                          "p50_us": _quantile(buckets, 0.5), "p99_us": _quantile(buckets, 0.99)}
-                for request, (buckets, seconds) in sorted(self.histograms().items())}
-
-
-def _quantile(buckets: list[int], share: float) -> int | None:
-    """The bucket bound under which `share` of the requests were answered (None: above all)."""
-    wanted, seen = share * sum(buckets), 0
-    for bound, count in zip(LATENCY_BOUNDS_US, buckets, strict=False):
-        seen += count
-        if seen >= wanted:
-            return bound
-    return None
+__all__ = ["LATENCY_BOUNDS_US", "RequestTimes", "Stats"]
 
 
 @dataclass
@@ -65,6 +22,8 @@ class Stats:
     bytes_written: int = 0  # received by the daemon (not written through passthrough)
     commits: int = 0
     evictions: int = 0
+    evicted_bytes: int = 0  # what those files took on the volume
+    evicted_unused_bytes: int = 0  # of those, files nobody used after their last store
     checksum_errors: int = 0
     opens_passthrough: int = 0  # reads by the kernel straight from the blob
     opens_daemon: int = 0  # reads served (and verified per request) by kvfs
@@ -89,12 +48,16 @@ class Stats:
     spare_staged_files: int = 0  # empty staged files made ahead for writers (kvfs/files/spares.py)
     blobs_publishing: int = 0  # committed blobs the publisher has yet to move into blobs/
     requests: RequestTimes = field(default_factory=RequestTimes)
+    clients: ClientTraffic = field(default_factory=ClientTraffic)
 
     def as_dict(self) -> dict[str, object]:
         counters: dict[str, object] = {counter.name: getattr(self, counter.name)
-                                       for counter in fields(self) if counter.name != "requests"}
+                                       for counter in fields(self)
+                                       if counter.name not in ("requests", "clients")}
         # GETXATTRs outside user.* the binding answers ENODATA itself (`requests` does not
         # count them)
         counters["foreign_xattrs_refused"] = pyfuse3.foreign_xattr_refusals()
         counters["requests"] = self.requests.as_dict()
+        counters["metadata_calls"] = METADATA_CALLS.as_dict()
+        counters["clients"] = self.clients.as_dict()
         return counters

@@ -241,6 +241,10 @@ class Space:
                                                self.session.shared)
                 for removed in dropped:
                     self.stats.evictions += 1
+                    self.stats.evicted_bytes += removed.inode.allocated
+                    # (a store sets the file's last use to its commit: no use came after it)
+                    if removed.inode.atime_ns <= removed.inode.mtime_ns:
+                        self.stats.evicted_unused_bytes += removed.inode.allocated
                     log.debug("evicted %r (ino %d, %d bytes)", removed.inode.name,
                               removed.inode.ino, removed.inode.allocated)
                 await self.evicted(dropped)
