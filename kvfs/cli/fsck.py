@@ -47,7 +47,8 @@ def run(data_dir: Path, repair: bool, console: Console | None = None,
     except VolumeError as error:
         raise FsckError(f"{error}; unmount it first") from None
     try:
-        meta = volume.open_metadata(meta_url)
+        # (a pool whose engine lost it: repairing makes a new one there, and reclaims the data)
+        meta = volume.open_metadata(meta_url, rebuild=repair)
     except Exception as error:
         os.close(lock_fd)
         raise FsckError(str(error)) from None

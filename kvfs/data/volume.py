@@ -5,6 +5,8 @@ The one owner of the data directory's layout; the daemon (kvfs/daemon.py) and `k
 
     DATA/meta/              the metadata store, LMDB (kvfs/meta/), on one host
     DATA/shared-metadata    instead, on a pool several hosts share: the engine's address
+    DATA/pool-id            and the pool's identity, which the engine holds too: a mount
+                            refuses an engine that lost the pool (kvfs fsck --repair)
     DATA/blobs/, staging/   the data store: blob files (kvfs/data/store.py)
     DATA/kvfs.lock          flock-held by the one process serving or checking the volume; its pid
                             (one host; in a shared pool the lock is only taken by fsck)
@@ -21,6 +23,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import lmdb
 
@@ -38,6 +41,7 @@ LOG_NAME = "kvfs.log"
 VERIFIED_NAME = "verified-blobs"
 SHARED_NAME = "shared-metadata"
 MOUNTS_NAME = "mounts"
+POOL_ID_NAME = "pool-id"
 
 
 def boot_id() -> str:
@@ -48,6 +52,15 @@ def boot_id() -> str:
 
 class VolumeError(Exception):
     """Why a volume cannot be used, for the user as one line."""
+
+
+@runtime_checkable
+class PoolEngine(Protocol):
+    """A shared engine that knows which pool it holds (kvfs/engines/redis_engine.py)."""
+
+    def identity(self) -> bytes | None: ...
+    def claim_identity(self, candidate: bytes) -> bytes: ...
+    def guard(self, pool: bytes) -> None: ...
 
 
 class Volume:
@@ -100,13 +113,24 @@ class Volume:
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def open_metadata(self, url: str | None = None, map_size: int = DEFAULT_MAP_SIZE,
-                      readonly: bool = False, deadline: float | None = None) -> MetaStore:
+                      readonly: bool = False, deadline: float | None = None,
+                      rebuild: bool = False) -> MetaStore:
         """The metadata store: LMDB in meta/ (url None), or the shared engine at `url`, whose
         requests wait at most `deadline` seconds (None: the engine's default). A volume keeps
-        the kind it was made with: the other is refused."""
+        the kind it was made with: the other is refused. A shared engine that lost this
+        pool (it holds none, or another) is refused too; `rebuild` (fsck --repair) makes a
+        new, empty pool there instead, whose checker then reclaims the old data files."""
         engine = self._open_engine(url, map_size, readonly, deadline)
         try:
-            return MetaStore(engine, readonly)
+            held = self._check_identity(engine, url, rebuild) \
+                if isinstance(engine, PoolEngine) else None
+            meta = MetaStore(engine, readonly)
+            if isinstance(engine, PoolEngine):
+                self._claim_identity(engine, held)
+            return meta
+        except VolumeError:
+            engine.close()
+            raise
         except (lmdb.Error, RuntimeError, FsError) as error:
             engine.close()
             where = url or self.meta_dir
@@ -146,6 +170,38 @@ class Volume:
             self.root.mkdir(parents=True, exist_ok=True)
             self.shared_path.write_text(f"{url}\n")
         return engine
+
+    def pool_id(self) -> bytes | None:
+        try:
+            return (self.root / POOL_ID_NAME).read_bytes().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def _check_identity(self, engine: PoolEngine, url: str | None, rebuild: bool
+                        ) -> bytes | None:
+        """Refuse an engine that lost this pool; returns the identity it holds (b"": a pool
+        made before pools had one; None: no pool)."""
+        held, mine = engine.identity(), self.pool_id()
+        if held is None and mine is not None and not rebuild:
+            raise VolumeError(f"{url} no longer holds the pool of {self.root} (Redis came "
+                              f"back empty?), so none of its files can be vouched for; run: "
+                              f"kvfs fsck --data {self.root} --meta {url} --repair")
+        if held and mine is not None and held != mine:
+            raise VolumeError(f"{url} holds another pool than {self.root} (pool "
+                              f"{held.decode()}, not {mine.decode()})")
+        return held
+
+    def _claim_identity(self, engine: PoolEngine, held: bytes | None) -> None:
+        """Record the pool's identity in the engine and on the volume, and guard the
+        engine's commits with it. A new pool (also one fsck rebuilds) gets a new one."""
+        mine = self.pool_id()
+        candidate = held or (mine if held == b"" and mine else os.urandom(8).hex().encode())
+        pool = engine.claim_identity(candidate)
+        if pool != mine:
+            temporary = self.root / f"{POOL_ID_NAME}.{os.getpid()}"
+            temporary.write_bytes(pool + b"\n")
+            temporary.rename(self.root / POOL_ID_NAME)
+        engine.guard(pool)
 
     def open_data(self, fsync: bool = False, session: bytes = b"") -> DataStore:
         return DataStore(self.root, fsync=fsync, session=session.hex())

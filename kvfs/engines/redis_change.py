@@ -22,6 +22,7 @@ from kvfs.engines.redis_layout import (
     COUNTERS,
     INDEXED,
     PARTITIONED,
+    POOL_KEY,
     ScriptCall,
     announcement,
     counter_key,
@@ -43,6 +44,9 @@ class RedisAccess(Protocol):
     cache: RecordCache
     channel: bytes
     commit_script: redis.commands.core.Script
+    pool_guard: bytes | None
+
+    def lose_pool(self) -> None: ...
 
     def call(self, method: Callable[..., T], *args: object) -> T: ...
     def round_trip_allowed(self) -> None: ...
@@ -213,8 +217,11 @@ class Change:
     def script_call(self, with_writes: bool) -> ScriptCall:
         """COMMIT_SCRIPT's keys and arguments: the checks, and the writes if `with_writes`."""
         keys = list(self.read)
-        args: list[bytes | int] = [len(keys)]
-        args += [b"" if held is None else b"=" + held for held in self.read.values()]
+        checks = [b"" if held is None else b"=" + held for held in self.read.values()]
+        if self.engine.pool_guard is not None:  # (first: a change lands in its own pool only)
+            keys.insert(0, POOL_KEY)
+            checks.insert(0, b"=" + self.engine.pool_guard)
+        args: list[bytes | int] = [len(keys), *checks]
         if not with_writes:
             return keys, args
 
@@ -251,14 +258,22 @@ class Change:
         if so, and `with_writes`, its writes are applied in the same step."""
         keys, args = self.script_call(with_writes)
         if not self.watched:
-            return self.engine.commit_script(keys, args) == 1
+            return self._applied(self.engine.commit_script(keys, args))
         self.pipe.multi()
         self.engine.commit_script(keys, args, client=self.pipe)
         try:
             [applied] = self.pipe.execute()
         except redis.WatchError:
             return False
-        return applied == 1
+        return self._applied(applied)
+
+    def _applied(self, outcome: object) -> bool:
+        """Whether the commit script applied the change (or found its reads current); EIO
+        where Redis no longer holds this mount's pool."""
+        if outcome == -1 and self.engine.pool_guard is not None:
+            self.engine.lose_pool()
+            raise fail(errno.EIO)
+        return outcome == 1
 
     def commit(self) -> None:
         written, moment = self.cached_writes()
@@ -285,7 +300,7 @@ class Change:
         except BaseException:
             self._outcome_unknown(written)
             raise
-        self._committed(applied == 1, written, moment)
+        self._committed(self._applied(applied), written, moment)
 
     def cached_writes(self) -> tuple[list[tuple[bytes, bytes | None]], int]:
         """What the commit writes of the cached families, and the cache's count of changes

@@ -62,6 +62,7 @@ from kvfs.engines.interface import RoundTripNeeded
 from kvfs.engines.redis_cache import Cached, NotCached, RecordCache
 from kvfs.engines.redis_change import Change, Reader
 from kvfs.engines.redis_layout import (
+    ALLOCATE_SCRIPT,
     CHANGES_CHANNEL,
     COMMIT_SCRIPT,
     DEFAULT_DEADLINE,
@@ -70,6 +71,7 @@ from kvfs.engines.redis_layout import (
     LOOKUP_SCRIPT,
     PAGE,
     PARTITIONED,
+    POOL_KEY,
     PREFIX,
     announced,
     counter_key,
@@ -133,6 +135,9 @@ class RedisEngine:
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
+        self.allocate_script = self.client.register_script(ALLOCATE_SCRIPT)
+        self.pool_guard: bytes | None = None  # this mount's pool (`guard`): commits check it
+        self.pool_lost = False  # Redis holds another pool, or none: nothing is served
         self._closing = threading.Event()
         self._subscribed = False
         self._watcher: threading.Thread | None = None
@@ -144,6 +149,8 @@ class RedisEngine:
         """One request; EIO (logged once per outage) when Redis cannot be reached, ENOSPC
         when it is past its maxmemory (it then refuses every write and script)."""
         self.round_trip_allowed()
+        if self.pool_lost:
+            raise fail(errno.EIO)
         if time.monotonic() < self._down_until:
             self.unreachable += 1
             raise fail(errno.EIO)
@@ -173,6 +180,44 @@ class RedisEngine:
             if self._down_until:
                 log.warning("metadata engine %s reachable again", self.url)
             self._down_until = 0.0
+
+    # -- the pool's identity --------------------------------------------------------------
+
+    def identity(self) -> bytes | None:
+        """The identity of the pool Redis holds: b"" for a pool without one, None if Redis
+        holds no pool (no format record)."""
+        held, pool = replies(self.call(self.client.mget,
+                                       [record_key("settings", b"format"), POOL_KEY]))
+        return None if held is None else pool or b""
+
+    def claim_identity(self, candidate: bytes) -> bytes:
+        """Give the pool Redis holds the identity `candidate` unless it has one (hosts that
+        mount a new pool together agree); returns the pool's identity."""
+        self.call(lambda: self.client.set(POOL_KEY, candidate, nx=True))
+        return reply(self.call(self.client.get, POOL_KEY)) or candidate
+
+    def guard(self, pool: bytes) -> None:
+        """From now on every commit and id allocation checks that Redis holds `pool`."""
+        self.pool_guard = pool
+
+    def check_pool(self) -> None:
+        """(Watcher, once a second, and before the cache is trusted again) Whether Redis
+        still holds this mount's pool."""
+        if (self.pool_guard is not None and not self.pool_lost
+                and reply(self.call(self.client.get, POOL_KEY)) != self.pool_guard):
+            self.lose_pool()
+
+    def lose_pool(self) -> None:
+        """Redis holds another pool or none (emptied by a restart without its files, a
+        FLUSHALL, a failover to an empty replica): this mount can vouch for nothing it would
+        read there, so every request fails EIO from now on."""
+        with self._lock:
+            if not self.pool_lost:
+                log.error("metadata engine %s no longer holds this mount's pool: serving "
+                          "nothing more; unmount every host, then run kvfs fsck --data DIR "
+                          "--meta %s --repair", self.url, self.url)
+            self.pool_lost = True
+        self.cache.enable(False)
 
     # -- the Engine interface ------------------------------------------------------------
 
@@ -218,6 +263,8 @@ class RedisEngine:
         thread. RoundTripNeeded where a worker must call it instead (it may have run up to
         its change): a read the cache lacks, a second change, an error (a worker checks the
         view it came from), a conflict."""
+        if self.pool_lost:
+            raise fail(errno.EIO)
         if time.monotonic() < self._down_until:
             self.unreachable += 1
             raise fail(errno.EIO)
@@ -326,8 +373,14 @@ class RedisEngine:
         return fetched, referred
 
     def allocate(self, key: bytes, count: int) -> int:
-        """Add `count` to the counter `key`; returns its new value."""
-        return self.call(self.client.hincrby, counter_key("counters"), key, count)
+        """Add `count` to the counter `key` (in this mount's pool only); returns its new
+        value."""
+        value = self.call(self.allocate_script, [POOL_KEY, counter_key("counters")],
+                          [self.pool_guard or b"", key, count])
+        if value is None:
+            self.lose_pool()
+            raise fail(errno.EIO)
+        return int(value)
 
     def has_room(self) -> bool:
         """Below Redis's maxmemory (if it has one), with room left for removals: as the
@@ -370,6 +423,7 @@ class RedisEngine:
                     if time.monotonic() - self._room[0] > ROOM_CHECK_SECONDS:
                         with suppress(FsError):  # (so that no change makes the round trip)
                             self._check_room()
+                            self.check_pool()
                     message = pubsub.get_message(timeout=WATCH_POLL_SECONDS)
                     if message is None:
                         continue
@@ -389,10 +443,13 @@ class RedisEngine:
     def _heard(self, message: dict, changed: Callable[[str, bytes], None]) -> None:
         if message["type"] == "subscribe":  # also redis-py's own resubscribe
             # Redis answers again: requests no longer fail at once (the cache answers
-            # lookups from now on, so opens must reach Redis too).
+            # lookups from now on, so opens must reach Redis too), if it still holds the pool.
             self._came_back()
-            self.cache.enable(True)
-            self._subscribed = True
+            with suppress(FsError):
+                self.check_pool()
+            if not self.pool_lost:
+                self.cache.enable(True)
+                self._subscribed = True
         elif message["type"] == "message":
             self._deliver(message["data"], changed)
 

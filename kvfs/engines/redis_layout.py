@@ -12,6 +12,8 @@ Keys, all under one hash tag
                                        pending, sessions: one set each
     {kvfs}:<family>                    hash of integers (counters, models): HINCRBY deltas
     {kvfs}:beat:<session>              a host's heartbeat; expires unless renewed
+    {kvfs}:settings:pool               the pool's identity, also in the volume's DATA/pool-id:
+                                       every commit checks it (POOL_KEY)
 
 Every member of a sorted set has score 0, so that ZRANGEBYLEX walks keys in byte order.
 Families without a set (inode, dentry, blob, symlink, settings) are scanned only by fsck,
@@ -42,18 +44,21 @@ _KEY_LENGTH = struct.Struct(">H")
 _VALUE_LENGTH = struct.Struct(">I")
 REMOVED = 0xFFFFFFFF  # a value length: the record was removed
 ENGINE_ID_BYTES = 8
+POOL_KEY = PREFIX + b"settings:pool"
 # A change, applied only if every record it read still holds what it read; returns 1
-# (applied) or 0. ARGV: how many records it read, what each held ("" if absent, else "=" +
-# value), then per write: op, key index among KEYS (0: none), a, b. KEYS: the records it read,
-# then one per write. Its announcement, if any, is its last write ('P').
+# (applied), else minus the number of the first read that differs (-1 where a change checks
+# the pool's identity, its first read, and Redis holds another pool or none). ARGV: how many
+# records it read, what each held ("" if absent, else "=" + value), then per write: op, key
+# index among KEYS (0: none), a, b. KEYS: the records it read, then one per write. Its
+# announcement, if any, is its last write ('P').
 COMMIT_SCRIPT = """
 local read = tonumber(ARGV[1])
 for i = 1, read do
   local held, now = ARGV[1 + i], redis.call('GET', KEYS[i])
   if held == '' then
-    if now then return 0 end
+    if now then return -i end
   elseif now ~= string.sub(held, 2) then
-    return 0
+    return -i
   end
 end
 for w = read + 2, #ARGV, 4 do
@@ -68,6 +73,12 @@ for w = read + 2, #ARGV, 4 do
   end
 end
 return 1
+"""
+# HINCRBY of KEYS[2]'s field ARGV[2] by ARGV[3], only in the pool ARGV[1] (KEYS[1] holds it;
+# ARGV[1] empty: in any): false otherwise.
+ALLOCATE_SCRIPT = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+return redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
 """
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """

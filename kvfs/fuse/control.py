@@ -74,6 +74,8 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "metadata_conflicts": meta.engine.conflicts,
         # (shared engine) round trips that failed: no answer within the deadline, or refused
         "metadata_reachable": reachable,
+        # (shared engine) it no longer holds this mount's pool: nothing more is served
+        "pool_lost": getattr(meta.engine, "pool_lost", False),
         "metadata_timeouts": getattr(meta.engine, "timeouts", 0),
         "metadata_unreachable": getattr(meta.engine, "unreachable", 0),
         "metadata_loop_commits": (meta.engine.loop_commits
