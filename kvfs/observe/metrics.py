@@ -33,6 +33,8 @@ GAUGES = {
     "files": ("files", "Files in the pool"),
     "hosts": ("hosts", "Mounts sharing the pool (1 on one host)"),
     "blobs_held": ("blobs_held", "Data files this host has open"),
+    "pool_lost": ("pool_lost", "Shared pool: 1 once Redis no longer holds this mount's pool "
+                               "(it then serves nothing; see kvfs fsck)"),
     "spare_staged_files": ("spare_staged_files", "Empty staged files made ahead for writers"),
     "blobs_publishing": ("blobs_publishing",
                          "Committed blobs not yet moved into blobs/ (readers find them staged)"),
