@@ -23,20 +23,23 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.directory = directory
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
+        self.extra = extra  # more redis-server arguments (e.g. --replicaof HOST PORT)
 
     def start(self) -> LocalRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.directory), "--save", "", "--appendonly", "yes",
-             "--appendfsync", "everysec", "--logfile", str(self.directory / "redis.log")],
+             "--appendfsync", "everysec", "--logfile", str(self.directory / "redis.log"),
+             *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10

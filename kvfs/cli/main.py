@@ -76,7 +76,9 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel FUSE requests in flight (default %(default)s)")
     parser.add_argument("--meta", metavar="redis://HOST:PORT/DB",
                         help="keep the metadata in this Redis server, shared by every host that "
-                             "mounts the pool (default: LMDB in DATA/meta, one host)")
+                             "mounts the pool, or redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER"
+                             "[/DB] for the master Sentinel names (default: LMDB in DATA/meta, "
+                             "one host)")
     parser.add_argument("--session-ttl", type=float, default=MountConfig.session_ttl,
                         help="shared pool: seconds without heartbeat after which other hosts "
                              "clean up after this one (default %(default)s)")

@@ -57,6 +57,7 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from kvfs.engines.interface import RoundTripNeeded
 from kvfs.engines.redis_cache import Cached, NotCached, RecordCache
@@ -81,7 +82,7 @@ from kvfs.engines.redis_layout import (
     reply,
     set_keys,
 )
-from kvfs.engines.redis_loop import LoopConnection, LoopConnectionError
+from kvfs.engines.redis_loop import NOT_SERVING, LoopConnection, LoopConnectionError
 from kvfs.records import FsError, fail
 
 log = logging.getLogger(__name__)
@@ -105,21 +106,52 @@ WATCH_POLL_SECONDS = 0.5  # how soon the watcher notices the engine closing
 WATCH_GATHER_SECONDS = 0.005
 
 
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+def sentinel_address(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """The sentinels, master name and database of a
+    redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] address."""
+    parsed = urlparse(url)
+    try:
+        sentinels = [(host, int(port)) for host, _, port in
+                     (address.rpartition(":") for address in parsed.netloc.split(","))]
+        master, _, db = parsed.path.strip("/").partition("/")
+        if not master or not all(host for host, _ in sentinels):
+            raise ValueError(url)
+        return sentinels, master, int(db or 0)
+    except ValueError:
+        raise ValueError(f"not a {SENTINEL_SCHEME}://HOST:PORT[,HOST:PORT...]/MASTER[/DB] "
+                         f"address: {url}") from None
+
+
 class RedisEngine:
     """Metadata in a Redis server that every host of the pool reaches (see above)."""
 
     shared = True
 
     def __init__(self, url: str, deadline: float = DEFAULT_DEADLINE) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme != "redis" or not parsed.hostname:
-            raise ValueError(f"not a redis://HOST:PORT/DB address: {url}")
         self.url = url
         self.deadline = deadline
         attempt = deadline / 2 / ATTEMPTS
-        self.client = redis.Redis.from_url(
-            url, socket_connect_timeout=attempt / 3, socket_timeout=attempt * 2 / 3,
-            retry=Retry(ExponentialBackoff(cap=attempt / 10, base=0.02), ATTEMPTS - 1))
+        connect, answer = attempt / 3, attempt * 2 / 3
+        retry = Retry(ExponentialBackoff(cap=attempt / 10, base=0.02), ATTEMPTS - 1)
+        parsed = urlparse(url)
+        if parsed.scheme == SENTINEL_SCHEME:
+            sentinels, master, db = sentinel_address(url)
+            sentinel = Sentinel(sentinels, sentinel_kwargs={
+                "socket_connect_timeout": connect, "socket_timeout": answer})
+            self.client = sentinel.master_for(master, db=db, socket_connect_timeout=connect,
+                                              socket_timeout=answer, retry=retry)
+            self.loop_connection = LoopConnection(url, deadline / 2, db=db, locate=lambda:
+                                                  sentinel.discover_master(master))
+        elif parsed.scheme == "redis" and parsed.hostname:
+            self.client = redis.Redis.from_url(url, socket_connect_timeout=connect,
+                                               socket_timeout=answer, retry=retry)
+            self.loop_connection = LoopConnection(url, deadline / 2)
+        else:
+            raise ValueError(f"not a redis://HOST:PORT/DB or {SENTINEL_SCHEME}://HOST:PORT"
+                             f"[,HOST:PORT...]/MASTER[/DB] address: {url}")
         self._down_until = 0.0
         self.conflicts = 0
         self.timeouts = 0  # round trips Redis did not answer within the deadline
@@ -130,7 +162,6 @@ class RedisEngine:
         self.cache = RecordCache()
         self._memory_only = threading.local()  # `from_memory` on this thread
         self.channel = CHANGES_CHANNEL % self.client.get_connection_kwargs().get("db", 0)
-        self.loop_connection = LoopConnection(url, deadline / 2)
         self._on_loop = threading.local()  # `pending`: changes `change_on_loop` will commit
         self.loop_commits = 0  # changes committed from the loop (`change_on_loop`)
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
@@ -161,6 +192,11 @@ class RedisEngine:
             raise fail(errno.EIO) from None
         except redis.exceptions.OutOfMemoryError:
             raise fail(errno.ENOSPC) from None
+        except redis.ResponseError as error:
+            if not str(error).startswith(NOT_SERVING):
+                raise
+            self._went_down(error, False)  # (not run: a replica, or a master short of them)
+            raise fail(errno.EIO) from None
         if self._down_until:
             self._came_back()
         return result

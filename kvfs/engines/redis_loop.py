@@ -18,6 +18,7 @@ order, each by the task that sent its request.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
 import hiredis
@@ -26,6 +27,9 @@ import trio
 from kvfs.quick_lock import QuickLock
 
 DEFAULT_DEADLINE = 3.0  # seconds for a request, connecting included
+# Replies of a server that did not run the request and cannot now: a replica (after a
+# failover), a master without the replicas it needs, one loading its data.
+NOT_SERVING = ("READONLY", "NOREPLICAS", "MASTERDOWN", "LOADING")
 RECEIVE_BYTES = 65536
 
 
@@ -40,14 +44,21 @@ class LoopConnectionError(Exception):
 
 class LoopConnection:
     """Requests to the Redis server of a redis://[user:password@]host:port/db address, from
-    trio tasks; connects at the first request and again after a failure."""
+    trio tasks; connects at the first request and again after a failure. With `locate`
+    (Sentinel), the server is the one `locate` names at each connect (a blocking call: run in
+    a worker thread), in database `db`."""
 
-    def __init__(self, url: str, deadline: float = DEFAULT_DEADLINE) -> None:
+    def __init__(self, url: str, deadline: float = DEFAULT_DEADLINE,
+                 locate: Callable[[], tuple[str, int]] | None = None, db: int = 0) -> None:
         parsed = urlparse(url)
         self.deadline = deadline
-        self.host = parsed.hostname or "localhost"
-        self.port = parsed.port or 6379
-        self.db = int(parsed.path.lstrip("/") or 0)
+        self.locate = locate
+        if locate is None:
+            self.host = parsed.hostname or "localhost"
+            self.port = parsed.port or 6379
+            self.db = int(parsed.path.lstrip("/") or 0)
+        else:
+            self.host, self.port, self.db = "", 0, db
         self.username = unquote(parsed.username) if parsed.username else None
         self.password = unquote(parsed.password) if parsed.password else None
         self._pipe: _Pipe | None = None
@@ -59,6 +70,10 @@ class LoopConnection:
         reply = await self.request(b"EVALSHA", sha, len(keys), *keys, *args)
         if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
             reply = await self.request(b"EVAL", source, len(keys), *keys, *args)
+        if isinstance(reply, hiredis.ReplyError) and str(reply).startswith(NOT_SERVING):
+            if str(reply).startswith("READONLY"):
+                self.close()  # a master that became a replica (failover): connect anew
+            raise LoopConnectionError(f"{self.host}:{self.port}: {reply}")
         if isinstance(reply, hiredis.ReplyError):
             raise reply
         return reply
@@ -113,6 +128,12 @@ class LoopConnection:
             return self._pipe
         async with self._connecting:
             if self._pipe is None:
+                if self.locate is not None:
+                    try:
+                        self.host, self.port = await trio.to_thread.run_sync(
+                            self.locate, abandon_on_cancel=True)
+                    except Exception as error:  # (no sentinel answers, or knows no master)
+                        raise LoopConnectionError(f"no master: {error!r}") from None
                 stream = await trio.open_tcp_stream(self.host, self.port)  # (TCP_NODELAY)
                 pipe = _Pipe(socket.socket(fileno=stream.socket.detach()))
                 try:
