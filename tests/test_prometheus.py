@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's package) scrapes live mounts with the alert rules of
-deploy/prometheus/kvfs-rules.yml loaded: each alert's condition is brought about for real on
+deploy/prometheus/kvfs-rules.yml loaded, and every query of the Grafana dashboard
+deploy/grafana/kvfs.json returns data: each alert's condition is brought about for real on
 the mounts (damaged data, slow loads, churn, a full pinned pool, a stalled host, Redis stalled,
 stopped and come back empty) and Prometheus's rule engine is seen to raise every alert.
 
@@ -9,6 +10,7 @@ Skipped where Prometheus is not installed (scripts/setup.sh installs it).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -27,6 +29,7 @@ from test_operations import free_port
 
 MiB = 1 << 20
 RULES = REPO / "deploy" / "prometheus" / "kvfs-rules.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "kvfs.json"
 SLOW_MODEL = "meta-llama-SEP-Llama-3.1-70B@1@0@-{:x}@bfloat16.data"  # a break-even by default
 
 pytestmark = pytest.mark.skipif(not installed(), reason=f"no prometheus: {INSTALL}")
@@ -35,6 +38,14 @@ pytestmark = pytest.mark.skipif(not installed(), reason=f"no prometheus: {INSTAL
 def alerts_in_rules() -> set[str]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     return {rule["alert"] for group in groups for rule in group["rules"] if "alert" in rule}
+
+
+def dashboard_queries() -> list[str]:
+    """Every query of the Grafana dashboard, with Grafana's variables as Prometheus takes
+    them: all mounts, a rate window of a minute."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [target["expr"].replace("$instance", ".+").replace("$__rate_interval", "1m")
+            for panel in panels for target in panel["targets"]]
 
 
 def test_promtool_checks_the_rules() -> None:
@@ -160,6 +171,9 @@ def test_prometheus_scrapes_live_mounts_and_raises_every_alert(
     expect("KvfsPoolLost", targets[1])
 
     assert seen == alerts_in_rules()
+    # Every query of the dashboard drew data over the run (Prometheus started with it)
+    for query in dashboard_queries():
+        assert prom.query_range(query, 600), query
     for group in prom.api("rules")["groups"]:
         for rule in group["rules"]:
             assert rule["health"] == "ok", rule
