@@ -32,6 +32,14 @@ from kvfs.files.prefetch import Prefetcher
 from kvfs.files.spares import SpareFiles, SpareMode
 from kvfs.fuse import tuning
 from kvfs.fuse.control import snapshot
+from kvfs.fuse.keeper import (
+    GENERATION_SHIFT,
+    TAKEOVER_SECONDS,
+    KeeperLink,
+    Takeover,
+    start_keeper,
+    take_over,
+)
 from kvfs.fuse.mounts import find_mount
 from kvfs.fuse.notifier import KernelNotifier
 from kvfs.fuse.operations import KvfsOperations
@@ -77,35 +85,46 @@ class MountConfig:
     odirect: str = "kernel"  # "daemon": O_DIRECT opens are served by kvfs
     prefetch_bytes: int = DEFAULT_PREFETCH_BUDGET  # prefetch from lookups; 0: off
     spares: SpareMode = SpareMode.ON  # staged files made ahead (kvfs/files/spares.py)
+    takeover_wait: float = TAKEOVER_SECONDS  # for the next daemon (kvfs/fuse/keeper.py)
+
+
+DEAD_CONNECTION = (errno.ENOTCONN, errno.ECONNABORTED)  # a FUSE mount whose daemon is gone
 
 
 def check_mountpoint(path: Path) -> None:
+    entry = find_mount(path)
+    if entry is not None:
+        if entry.fstype != "fuse.kvfs" or connected(path):
+            raise MountError(f"mountpoint {path} is already mounted")
+        clear_dead_mount(path)
     try:
         if not path.is_dir():
             raise MountError(f"mountpoint {path} is not a directory" if path.exists()
                              else f"mountpoint {path} does not exist")
     except OSError as error:
-        if error.errno != errno.ENOTCONN:
-            raise MountError(f"mountpoint {path}: {error.strerror}") from None
-        clear_dead_mount(path)
-        check_mountpoint(path)
-        return
-    if find_mount(path) is not None:
-        raise MountError(f"mountpoint {path} is already mounted")
+        if error.errno in DEAD_CONNECTION:
+            raise MountError(f"mountpoint {path} is a dead mount of another file system; "
+                             f"run: fusermount3 -u {path}") from None
+        raise MountError(f"mountpoint {path}: {error.strerror}") from None
     if any(path.iterdir()):
         raise MountError(f"mountpoint {path} is not empty")
 
 
+def connected(path: Path) -> bool:
+    """Whether a daemon serves the FUSE mount at `path` (statfs is never answered from the
+    kernel's caches)."""
+    try:
+        os.statvfs(path)
+    except OSError as error:
+        return error.errno not in DEAD_CONNECTION
+    return True
+
+
 def clear_dead_mount(path: Path) -> None:
-    """Lazily unmount the kvfs mount at `path` whose daemon is gone (killed, crashed), as the
-    next daemon must before it mounts there: the restart a supervisor (systemd, a Kubernetes
-    pod) makes is then the same command. What processes had open on the dead mount keeps
-    failing with ENOTCONN; their new opens reach the new mount. A dead mount of another
-    file system is left to whoever made it."""
-    entry = find_mount(path)
-    if entry is None or entry.fstype != "fuse.kvfs":
-        raise MountError(f"mountpoint {path} is a dead mount of another file system "
-                         f"({entry.fstype if entry else 'unknown'}); run: fusermount3 -u {path}")
+    """Lazily unmount the kvfs mount at `path` whose daemon is gone (killed, crashed, and no
+    keeper holds its connection: kvfs/fuse/keeper.py), as the next daemon must before it
+    mounts there: the restart a supervisor makes is then the same command. What processes
+    had open on the dead mount keeps failing; their new opens reach the new mount."""
     result = subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True,
                             text=True)
     if result.returncode:
@@ -131,8 +150,13 @@ def setup_logging(config: MountConfig) -> None:
 class Daemon:
     """One mounted kvfs: the stores, the FUSE session and its event loop."""
 
-    def __init__(self, config: MountConfig) -> None:
+    def __init__(self, config: MountConfig, takeover: Takeover | None = None) -> None:
         self.config = config
+        # A daemon taking the connection over from the keeper hands out file handles and node
+        # ids apart from those its predecessors gave the kernel, which still holds them.
+        self.takeover = takeover
+        numbers_from = takeover.generation << GENERATION_SHIFT if takeover else 0
+        self.keeper: KeeperLink | None = takeover.link if takeover else None
         self.volume = Volume(config.data)
         self.meta = self.volume.open_metadata(config.meta_url, config.meta_map_size,
                                               deadline=config.deadline)
@@ -151,7 +175,7 @@ class Daemon:
         self.stats = Stats()
         self.session = Session(self.volume, self.meta, self.data, self.stats,
                                config.mountpoint, config.session_ttl)
-        self.kernel = KernelInodes()
+        self.kernel = KernelInodes(numbers_from)
         self.notifier = KernelNotifier(self.kernel)
         self.space = Space(self.meta, config.data, self.stats, self.session,
                            open_inodes=self._open_inodes, evicted=self._evicted,
@@ -163,16 +187,21 @@ class Daemon:
             else "" if config.passthrough else "--passthrough off",
             o_direct=config.odirect == "kernel")
         self.helper = start_volume_helper()
-        self.files = self._file_table(config)
+        self.files = self._file_table(config, numbers_from)
         self.session.on_lost = self.files.session_lost
         self.files.verifier.load(self.volume.verified_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.operations = KvfsOperations(self.meta, self.files, self.space, self.stats,
-                                         self.notifier, self.passthrough)
+                                         self.notifier, self.passthrough, numbers_from,
+                                         on_kernel_init=self._kernel_init)
 
-    def _file_table(self, config: MountConfig) -> FileTable:
+    def _kernel_init(self, request: bytes) -> None:
+        if self.keeper is not None:
+            self.keeper.kernel_init(request)
+
+    def _file_table(self, config: MountConfig, numbers_from: int) -> FileTable:
         """The open-file table and its parts (kvfs/files/__init__.py), each given the parts
         it calls."""
         meta_call = MetaCalls(self.meta.engine)
@@ -184,7 +213,7 @@ class Daemon:
         hasher = LateHasher(self.data, self.meta, verifier, self.stats)
         spares = SpareFiles(self.data, self.helper if config.spares is SpareMode.ON else None,
                             self.stats, take_blob_ids)
-        state = FileState(self.meta)
+        state = FileState(self.meta, numbers_from)
         retirer = Retirer(state, self.meta, self.data, self.cache, verifier, self.session,
                           self.kernel, self.stats, on_removed=self.notifier.names_removed)
         writer = Writer(state, retirer, self.meta, self.data, self.space, self.session,
@@ -225,10 +254,15 @@ class Daemon:
             options.add("allow_other")
         if self.config.debug:
             options.add("debug")
-        try:
-            pyfuse3.init(self.operations, str(self.config.mountpoint), options)
-        except RuntimeError as error:
-            raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
+        if self.takeover is not None:
+            self._take_over(options)
+        else:
+            try:
+                pyfuse3.init(self.operations, str(self.config.mountpoint), options)
+            except RuntimeError as error:
+                raise MountError(f"cannot mount {self.config.mountpoint}: {error}") from None
+            self.keeper = start_keeper(pyfuse3.get_session_fd(), self.config.mountpoint,
+                                       self.config.takeover_wait, self._log_file())
         log.info("mounted %s at %s (capacity %d bytes)", self.config.data,
                  self.config.mountpoint, self.meta.recency.capacity())
         # Now that there is a kernel session to tell: other hosts' changes invalidate its
@@ -243,6 +277,25 @@ class Daemon:
                 pyfuse3.close(unmount=True)
                 raise MountError(f"cannot serve metrics on {self.config.metrics_address}:"
                                  f"{self.config.metrics_port}: {error.strerror}") from None
+
+    def _take_over(self, options: set[str]) -> None:
+        """Serve the connection a dead daemon left to the keeper (kvfs/fuse/keeper.py)."""
+        assert self.takeover is not None
+        try:
+            pyfuse3.init(self.operations, f"/dev/fd/{self.takeover.fuse_fd}", options)
+        except RuntimeError as error:
+            raise MountError(f"cannot take {self.config.mountpoint} over: {error}") from None
+        resent = pyfuse3.resume(self.takeover.init_request)
+        log.warning("took over %s from its keeper (daemon %d of the connection); requests "
+                    "the last one had read: %s", self.config.mountpoint,
+                    self.takeover.generation + 1,
+                    "sent again" if resent == 0 else f"lost ({os.strerror(resent)})")
+
+    def _log_file(self) -> Path | None:
+        """Where the keeper logs: the daemon's log file, or (foreground) its stderr."""
+        if self.config.foreground:
+            return None
+        return self.config.log_file or self.volume.log_path
 
     def _snapshot(self) -> dict:
         """For the metrics server's thread: the loop takes the snapshot."""
@@ -283,6 +336,11 @@ class Daemon:
 
     def close(self) -> None:
         self.notifier.stop()  # before the session it notifies goes
+        if self.keeper is not None:
+            self.keeper.leaving()
+        if self.takeover is not None:  # libfuse unmounts only what it mounted itself
+            subprocess.run(["fusermount3", "-u", "-z", str(self.config.mountpoint)],
+                           capture_output=True, check=False)
         pyfuse3.close(unmount=True)
         try:
             self.meta.recency.record_uses(self.space.take_uses())
@@ -328,17 +386,22 @@ def start_volume_helper() -> VolumeHelper | None:
 def run(config: MountConfig) -> None:
     """Mount and serve; without `foreground`, return once the mount is live (daemon forked)."""
     try:
-        config.mountpoint = config.mountpoint.resolve()
+        # (the mountpoint's parent: a mount whose daemon is gone makes a lookup of the
+        # mountpoint itself wait for the next daemon, while its keeper holds it)
+        mountpoint = Path(os.path.abspath(config.mountpoint))
+        config.mountpoint = mountpoint.parent.resolve() / mountpoint.name
         config.data = config.data.resolve()
     except OSError as error:
         raise MountError(f"cannot resolve paths: {error.strerror}") from None
-    check_mountpoint(config.mountpoint)
+    takeover = take_over(config.mountpoint)  # a dead daemon's connection, kept
+    if takeover is None:
+        check_mountpoint(config.mountpoint)
     lock_fd = Volume(config.data).lock(exclusive=config.meta_url is None)
     if config.foreground:
         if config.meta_url is None:
             Volume.record_pid(lock_fd)
         setup_logging(config)
-        _serve(config)
+        _serve(config, takeover)
         return
     read_end, write_end = os.pipe()
     child = os.fork()
@@ -358,7 +421,7 @@ def run(config: MountConfig) -> None:
     code = 0
     try:
         setup_logging(config)
-        _serve(config, ready_fd=write_end)
+        _serve(config, takeover, ready_fd=write_end)
     except VolumeError as error:
         os.write(write_end, str(error).encode())
         code = 1
@@ -371,12 +434,13 @@ def run(config: MountConfig) -> None:
         os._exit(code)
 
 
-def _serve(config: MountConfig, ready_fd: int | None = None) -> None:
+def _serve(config: MountConfig, takeover: Takeover | None,
+           ready_fd: int | None = None) -> None:
     # Every open handle holds one or two descriptors, and spare staged files are kept open:
     # a file server takes all the descriptors it may (the soft limit is often 1,024).
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    daemon = Daemon(config)
+    daemon = Daemon(config, takeover)
     daemon.mount()
     if ready_fd is not None:
         os.write(ready_fd, b"ok")

@@ -86,6 +86,11 @@ def add_mount_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="shared pool: the longest a request waits on Redis before it "
                              "fails with EIO (default %(default)s)")
+    parser.add_argument("--takeover-wait", type=float, default=MountConfig.takeover_wait,
+                        metavar="SECONDS",
+                        help="after the daemon dies, how long engines' requests wait for the "
+                             "next one (the same mount command) to take the mount over before "
+                             "they fail with ENOTCONN (default %(default)s)")
     parser.add_argument("--meta-size", type=size, default=MountConfig.meta_map_size,
                         help="largest size of the LMDB metadata map (default 64G)")
     parser.add_argument("--verify", type=VerifyMode, choices=list(VerifyMode),
@@ -125,6 +130,7 @@ def mount_command(args: argparse.Namespace) -> None:
         fsync=args.fsync, cache_bytes=args.cache_size, readahead_bytes=args.readahead,
         read_ahead_kb=args.read_ahead_kb, max_background=args.max_background,
         meta_url=args.meta, session_ttl=args.session_ttl, deadline=args.deadline,
+        takeover_wait=args.takeover_wait,
         meta_map_size=args.meta_size, log_file=args.log_file, syslog=args.syslog,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         passthrough=args.passthrough == "auto", verify=args.verify, odirect=args.odirect,

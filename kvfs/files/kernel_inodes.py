@@ -27,12 +27,14 @@ FIRST_ALIAS = 1 << 61
 class KernelInodes:
     """Which node id the kernel is told for each inode, and which inode a node id names."""
 
-    def __init__(self) -> None:
+    def __init__(self, numbers_from: int = 0) -> None:
+        """`numbers_from`: where this daemon's aliases start above FIRST_ALIAS, apart from
+        those of a daemon that served the connection before (kvfs/fuse/keeper.py)."""
         self._current: dict[int, int] = {}  # inode number -> its current alias
         self._alias_of: dict[int, int] = {}  # alias -> inode number
         self._lookups: dict[int, int] = {}  # alias -> lookups the kernel holds
         self._aliases: dict[int, set[int]] = {}  # inode number -> its aliases
-        self._next = count(FIRST_ALIAS)
+        self._next = count(FIRST_ALIAS + numbers_from)
 
     def ino(self, nodeid: int) -> int:
         """The inode a node id the kernel sent names."""

@@ -109,7 +109,9 @@ class FileState:
     the open state of each inode, per kernel inode the one version its page cache may hold,
     and the attributes each kernel inode is shown (a writer's own size)."""
 
-    def __init__(self, meta: MetaStore) -> None:
+    def __init__(self, meta: MetaStore, numbers_from: int = 0) -> None:
+        """`numbers_from`: where this daemon's file handles start, apart from those of a
+        daemon that served the connection before (kvfs/fuse/keeper.py)."""
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine)
         self.handles: dict[int, Handle] = {}
@@ -118,7 +120,7 @@ class FileState:
         # version read once bypassing it
         self.cached_version: dict[int, int] = {}
         self.read_directly: dict[int, int] = {}
-        self.next_fh = count(1)
+        self.next_fh = count(1 + numbers_from)
         self.clock = count(1)  # orders writers' changes: the latest one's size is shown
 
     async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None

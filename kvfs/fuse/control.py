@@ -88,7 +88,8 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
 
 class ControlFiles:
     def __init__(self, meta: MetaStore, space: Space, stats: Stats,
-                 passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> None:
+                 passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter,
+                 numbers_from: int = 0) -> None:
         self.meta = meta
         self.space = space
         self.stats = stats
@@ -97,7 +98,7 @@ class ControlFiles:
         self.loads = loads
         self.started_ns = time.time_ns()
         self._contents: dict[int, bytes] = {}
-        self._next_fh = itertools.count(FIRST_HANDLE)
+        self._next_fh = itertools.count(FIRST_HANDLE + numbers_from)
         self._files: dict[int, Callable[[], Awaitable[bytes]]] = {STATS_INO: self._stats_json}
 
     async def _stats_json(self) -> bytes:

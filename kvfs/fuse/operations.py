@@ -190,7 +190,8 @@ def negative_entry(timeout: float) -> EntryAttributes:
 @guard_handlers
 class KvfsOperations(pyfuse3.Operations):
     def __init__(self, meta: MetaStore, files: FileTable, space: Space, stats: Stats,
-                 notifier: KernelNotifier, passthrough: Passthrough) -> None:
+                 notifier: KernelNotifier, passthrough: Passthrough, numbers_from: int = 0,
+                 on_kernel_init: Callable[[bytes], None] | None = None) -> None:
         super().__init__()
         self.meta = meta
         self.meta_call = MetaCalls(meta.engine)
@@ -219,7 +220,8 @@ class KvfsOperations(pyfuse3.Operations):
         # and `ls -l` for two names per entry.
         self.user_xattrs_only = True
         self.control = ControlFiles(meta, space, stats, passthrough, files.verifier.mode,
-                                    files.loads)
+                                    files.loads, numbers_from)
+        self.on_kernel_init = on_kernel_init  # given the kernel's INIT request (the keeper)
 
     @property
     def caching(self) -> KernelCaching:
@@ -229,6 +231,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     def init(self) -> None:
         """The kernel's INIT is answered: say which paths requests and data take."""
+        request = pyfuse3.init_request()
+        if self.on_kernel_init is not None and request:
+            self.on_kernel_init(request)
         if pyfuse3.replies_from_thread():
             log.info("requests: /dev/fuse, replies written by a thread of their own")
         else:

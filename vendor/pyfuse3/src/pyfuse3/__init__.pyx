@@ -606,6 +606,46 @@ def get_session_fd():
     return session_fd
 
 
+init_request_seen = None  # kvfs's patch: see init_request
+# The unique id of a replayed INIT: even like the kernel's own ids, and far above any it
+# hands out, so that the kernel drops the reply (ENOENT, which libfuse ignores).
+REPLAYED_INIT_UNIQUE = (1 << 62) - 2
+FUSE_NOTIFY_RESEND = 7  # fuse_kernel.h, Linux >= 6.9
+
+
+def init_request():
+    '''kvfs's patch: the INIT request the kernel sent this session, as read (None before
+    it came). A process that takes the session's descriptor over replays it (`resume`).'''
+    return init_request_seen
+
+
+def resume(bytes request):
+    '''kvfs's patch: serve a session another process served and left (it died), on the
+    descriptor that init() was given as the mountpoint "/dev/fd/N". The kernel sends INIT
+    once per connection: the one it sent the other process (`request`, its
+    `init_request()`) is processed again here, so that libfuse and the operations' init()
+    negotiate what the kernel agreed to then. Then the kernel is asked to send again the
+    requests the other process had read and not answered (FUSE_NOTIFY_RESEND). Returns 0,
+    or the errno of that notification (ENOSYS-like errors where the kernel lacks it).'''
+    cdef fuse_buf buf
+    cdef bytearray replayed = bytearray(request)
+    replayed[8:16] = REPLAYED_INIT_UNIQUE.to_bytes(8, 'little')  # fuse_in_header.unique
+    global init_request_seen
+    init_request_seen = bytes(request)
+    buf.mem = <char*>replayed
+    buf.size = len(replayed)
+    buf.pos = 0
+    buf.flags = 0
+    fuse_session_process_buf(session, &buf)
+    notification = ((16).to_bytes(4, 'little') + FUSE_NOTIFY_RESEND.to_bytes(4, 'little')
+                    + (0).to_bytes(8, 'little'))  # fuse_out_header: len, error (code), unique
+    try:
+        os.write(session_fd, notification)
+    except OSError as error:
+        return error.errno
+    return 0
+
+
 def passthrough_enabled():
     '''Whether the kernel granted FUSE passthrough at init (kvfs patch)'''
     return passthrough_granted

@@ -283,6 +283,7 @@ async def _wait_fuse_readable():
 
 @async_wrapper
 async def _session_loop(nursery, int min_tasks, int max_tasks):
+    global init_request_seen  # kvfs's patch
     cdef int res
     cdef long spun  # kvfs's patch
     cdef int io_fd = trio_io_fd()  # kvfs's patch
@@ -368,6 +369,9 @@ async def _session_loop(nursery, int min_tasks, int max_tasks):
         # methods, the handler will start a co-routine and store it in
         # py_retval.
         #log.debug('%s: processing request...', name)
+        if init_request_seen is None and not (buf.flags & FUSE_BUF_IS_FD):
+            # kvfs's patch: the first request is the kernel's INIT (see init_request)
+            init_request_seen = PyBytes_FromStringAndSize(<char*>buf.mem, res)
         save_retval(None)
         fuse_session_process_buf(session, &buf)
         if py_retval is not None:
