@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kvfs
+from kvfs.fuse.mounts import find_mount
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,11 @@ def start_keeper(fuse_fd: int, mountpoint: Path, wait: float,
 
 def take_over(mountpoint: Path) -> Takeover | None:
     """The descriptor of `mountpoint`'s connection from its keeper, where one keeps it
-    (its daemon is gone); None where no keeper answers."""
+    (its daemon is gone); None where no keeper answers, or the connection is no longer
+    mounted there (detached: `umount -l`)."""
+    entry = find_mount(mountpoint)
+    if entry is None or entry.fstype != "fuse.kvfs":
+        return None
     path = socket_path(mountpoint)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.settimeout(ANSWER_SECONDS)
@@ -145,6 +150,13 @@ def take_over(mountpoint: Path) -> Takeover | None:
 # -- the keeper process ------------------------------------------------------------------------
 
 
+def ended(fuse_fd: int) -> bool:
+    """Whether the connection is gone (unmounted, aborted): nothing left to hand over."""
+    poller = select.poll()
+    poller.register(fuse_fd, 0)
+    return bool(poller.poll(0))
+
+
 def keep(fuse_fd: int, listener: socket.socket, daemon: socket.socket, path: Path,
          wait: float) -> None:
     """Hold `fuse_fd` until the connection ends (an unmount), the daemon unmounts, or no
@@ -165,7 +177,7 @@ def keep(fuse_fd: int, listener: socket.socket, daemon: socket.socket, path: Pat
                 return
             if fd == listener.fileno():
                 successor, _ = listener.accept()
-                if current is not None or not init_request:
+                if current is not None or not init_request or ended(fuse_fd):
                     successor.close()  # a daemon serves (or has not finished starting)
                     continue
                 generation += 1
