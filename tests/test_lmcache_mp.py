@@ -105,10 +105,6 @@ RACE_ERRORS = (
     # its os.replace finds no temp name: the other host renamed it first (as on any
     # filesystem; kvfs commits this host's bytes, whole, to the file it opened all the same);
     r"FileNotFoundError: .*\.tmp' -> '.*\.data'$",
-    # kvfs: its open(O_WRONLY|O_CREAT|O_TRUNC) of the temp name meets the other host's create
-    # of it (its kernel had no entry for the name) and kvfs answers EEXIST, where POSIX opens
-    # the existing file (kvfs/fuse/operations.py `create`);
-    r"failed to store .*: FileExistsError: .*\.tmp'$",
     # LMCache: after that failure its clean-up's exists(<name>.tmp) then unlink races the
     # other host's rename, and the ENOENT of the unlink escapes as a failed task.
     r"store task \d+ failed: FileNotFoundError: .*\.tmp'$",
