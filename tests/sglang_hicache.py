@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from json_worker import Collected, run_json, timed
+from json_worker import Collected, repeat, run_json, timed
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_DIR = REPO / ".venv" / "sglang-hicache"
@@ -202,7 +202,7 @@ class HiCacheRank:
 # -- worker processes ------------------------------------------------------------------------
 
 
-def work(args: argparse.Namespace, errors: list[str]) -> dict[str, Any]:
+def work(args: argparse.Namespace, errors: list[str], collected: Collected) -> dict[str, Any]:
     rank = HiCacheRank(args.root, args.first, args.pages, args.page_mib * MIB, args.seed,
                        args.tp_rank, args.tp_size)
     indices = list(rank.indices)
@@ -213,6 +213,14 @@ def work(args: argparse.Namespace, errors: list[str]) -> dict[str, Any]:
         rank.fill()
         failed, seconds = timed(rank.store)
         return report | {"seconds": seconds, "failed": failed}
+    if args.seconds:  # loads again and again (json_worker.repeat)
+        def load() -> dict[str, Any]:
+            found = rank.lookup()
+            vanished, failed = rank.load(found, errors)
+            loaded = sorted(set(found) - set(vanished) - set(failed))
+            return {"hits": len(found) - len(vanished), "failed": len(failed),
+                    "mismatched": len(rank.mismatched(loaded))}
+        return report | {"passes": repeat(load, args.seconds, collected)}
     found, seconds = timed(rank.lookup)
     report |= {"hits": len(found), "missing": sorted(set(indices) - set(found)),
                "lookup_seconds": seconds}
@@ -226,12 +234,13 @@ def work(args: argparse.Namespace, errors: list[str]) -> dict[str, Any]:
 
 
 def run_worker(op: str, root: Path, pages: int, *, first: int = 0, page_mib: int = 8,
-               seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
+               seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
+               seconds: float = 0) -> dict[str, Any]:
     """Run `op` in a process of its own; its JSON report."""
     return run_json(Path(__file__), [
         op, "--root", str(root), "--pages", str(pages), "--first", str(first),
         "--page-mib", str(page_mib), "--seed", str(seed), "--tp-rank", str(tp_rank),
-        "--tp-size", str(tp_size)])
+        "--tp-size", str(tp_size), "--seconds", str(seconds)])
 
 
 def main() -> int:
@@ -248,13 +257,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="page content (stores and checks)")
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=0,
+                        help="load: look up and load again and again for this long, and "
+                             "report each pass")
     args = parser.parse_args()
     if not 0 <= args.tp_rank < args.tp_size:
         parser.error("--tp-rank must be below --tp-size")
     collected = Collected()
     logging.getLogger().addHandler(collected)
     errors: list[str] = []
-    report = work(args, errors)
+    report = work(args, errors, collected)
     print(json.dumps({**report, "errors": errors + collected.messages}), flush=True)
     return 0
 

@@ -21,29 +21,39 @@ from typing import Any
 
 import pytest
 from conftest import KvfsMount, daemon_pid, is_mounted, run_mount, wait_dead
-from vllm_tier import VLLM_DIR, run_worker
+from sglang_hicache import SGLANG_DIR
+from sglang_hicache import run_worker as run_sglang
+from vllm_tier import VLLM_DIR
+from vllm_tier import run_worker as run_vllm
 
 from kvfs.fuse.keeper import socket_path
 
-BLOCKS = 8
-ERRNO = re.compile(r"\[Errno \d+\] [^:]*")  # in what vLLM's code logs of a failed job
+UNITS = 8  # blocks (vLLM) or pages (SGLang) each pass stores or loads
+ERRNO = re.compile(r"\[Errno \d+\] [^:]*")  # in what a client's code logs of a failure
 RESTART_DELAY = 1.0  # seconds from the kill to the next mount command (systemd's RestartSec)
+CLIENTS = {"vllm": (VLLM_DIR, run_vllm), "sglang": (SGLANG_DIR, run_sglang)}
+LOOPS = [pytest.param(client, op, marks=pytest.mark.skipif(
+    not CLIENTS[client][0].is_dir(), reason=f"{CLIENTS[client][0]} is missing: set-up could "
+    "not fetch the client's wheel")) for client, op in (("vllm", "load"), ("vllm", "store"),
+                                                        ("sglang", "load"))]
 
-needs_vllm = pytest.mark.skipif(not VLLM_DIR.is_dir(), reason=f"{VLLM_DIR} is missing: "
-                                "set-up could not fetch vLLM's wheel")
+
+def broken(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The passes that did not store or load every unit."""
+    return [p for p in passes if p.get("hits", UNITS) != UNITS or p["failed"]]
 
 
 def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The loop's passes as the engine lived them: the clean ones (every block hit and
-    loaded), the longest pass, the span of the others and the errors vLLM's code logged."""
-    broken = [p for p in passes if p["hits"] != BLOCKS or p["failed"]]
+    """The loop's passes as the engine lived them: how many were broken, the longest pass,
+    the span of the broken ones and the errors the client's code logged."""
+    failed = broken(passes)
     starts = [p["at"] for p in passes]
-    return {"passes": len(passes), "broken": len(broken),
+    return {"passes": len(passes), "broken": len(failed),
             "longest_pass_s": round(max(b - a for a, b in zip(starts, starts[1:],
                                                              strict=False)), 3),
-            "broken_from": broken[0]["at"] if broken else None,
-            "broken_until": broken[-1]["at"] if broken else None,
-            "errors": sorted({found.group(0) for p in broken
+            "broken_from": failed[0]["at"] if failed else None,
+            "broken_until": failed[-1]["at"] if failed else None,
+            "errors": sorted({found.group(0) for p in failed
                               if (found := ERRNO.search(p["message"]))})}
 
 
@@ -58,22 +68,26 @@ def keeper_pid(mountpoint: Path) -> int:
     raise AssertionError(f"no keeper of {mountpoint}")
 
 
-def load_while(kvfs: KvfsMount, seconds: float, fault: Any) -> list[dict[str, Any]]:
-    """vLLM's tier loads BLOCKS stored blocks in a loop for `seconds` while `fault()` runs
-    (after two seconds); the loop's passes."""
-    root = kvfs.mountpoint / "vllm"
-    assert run_worker("store", root, BLOCKS, seed=3)["failed"] == []
+def loop_while(kvfs: KvfsMount, client: str, op: str, fault: Any) -> list[dict[str, Any]]:
+    """The client's own code stores UNITS units, then stores or loads them in a loop in a
+    process of its own while `fault()` runs (after two seconds); the loop's passes. Then, in
+    another process, every unit loads exact: nothing the loop did left a broken file."""
+    root = kvfs.mountpoint / client
+    run = CLIENTS[client][1]
+    assert run("store", root, UNITS, seed=3)["failed"] == []
     reports: list[dict[str, Any]] = []
     loop = threading.Thread(target=lambda: reports.append(
-        run_worker("load", root, BLOCKS, seed=3, seconds=seconds)))
+        run(op, root, UNITS, seed=3, seconds=8)))
     loop.start()
     time.sleep(2)
     fault()
     loop.join()
     passes = reports[0]["passes"]
-    print(summary(passes))
-    assert all(p["mismatched"] == 0 for p in passes), "a load returned wrong bytes"
-    assert passes[0]["hits"] == BLOCKS and passes[0]["failed"] == 0
+    print(client, op, summary(passes))
+    assert all(p.get("mismatched", 0) == 0 for p in passes), "a load returned wrong bytes"
+    assert not broken(passes[:1]) and not broken(passes[-1:]), "clean before and after"
+    after = run("load", root, UNITS, seed=3)
+    assert (after["hits"], after["failed"], after["mismatched"]) == (UNITS, [], [])
     return passes
 
 
@@ -85,23 +99,24 @@ def kill_and_mount_again(kvfs: KvfsMount, *also: int) -> None:
     kvfs.mount()  # the command that mounted it, unchanged
 
 
-@needs_vllm
-def test_vllm_loads_wait_through_a_restart_without_an_error(make_mount) -> None:
+@pytest.mark.parametrize(("client", "op"), LOOPS)
+def test_engines_wait_through_a_restart_without_an_error(make_mount, client: str,
+                                                         op: str) -> None:
     kvfs = make_mount("--capacity", "1G")
-    passes = load_while(kvfs, 8, lambda: kill_and_mount_again(kvfs))
-    assert [p for p in passes if p["hits"] != BLOCKS or p["failed"]] == []
-    assert summary(passes)["longest_pass_s"] >= RESTART_DELAY, "the loads waited"
+    passes = loop_while(kvfs, client, op, lambda: kill_and_mount_again(kvfs))
+    assert broken(passes) == []
+    assert summary(passes)["longest_pass_s"] >= RESTART_DELAY, "the engine waited"
     assert "took over" in (kvfs.data / "kvfs.log").read_text()
 
 
-@needs_vllm
+@pytest.mark.skipif(not VLLM_DIR.is_dir(), reason=f"{VLLM_DIR} is missing: set-up could "
+                    "not fetch vLLM's wheel")
 def test_vllm_loads_fail_while_a_dead_mount_waits_then_hit_again(make_mount) -> None:
     """The keeper killed with the daemon: no one holds the connection."""
     kvfs = make_mount("--capacity", "1G")
     keeper = keeper_pid(kvfs.mountpoint)
-    passes = load_while(kvfs, 8, lambda: kill_and_mount_again(kvfs, keeper))
-    assert any(p["hits"] < BLOCKS or p["failed"] for p in passes), "the kill went unseen"
-    assert passes[-1]["hits"] == BLOCKS and passes[-1]["failed"] == 0, "hits again"
+    passes = loop_while(kvfs, "vllm", "load", lambda: kill_and_mount_again(kvfs, keeper))
+    assert broken(passes), "the kill went unseen"
 
 
 def test_mount_over_a_dead_kvfs_mount_clears_it(make_mount) -> None:

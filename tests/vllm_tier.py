@@ -41,6 +41,7 @@ process can check every byte and tell which block a data file holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -50,14 +51,13 @@ import logging
 import mmap
 import os
 import sys
-import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NewType
 
 import numpy as np
-from json_worker import Collected, run_json, timed
+from json_worker import Collected, repeat, run_json, timed
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_DIR = REPO / ".venv" / "vllm-tier"
@@ -71,7 +71,6 @@ TOKEN_BYTES = LAYERS * 2 * 8 * 128 * 2
 GPU_BLOCK_TOKENS = 16  # vLLM's default block size: a 2 MiB block, one hash per block
 THREADS = 16  # FileSystemTierManager's default, per queue
 PAGE = 4096
-PASS_PAUSE = 0.02  # seconds between the passes of a load loop (`--seconds`)
 MAGIC = 0x6B7666732D766C6C  # "kvfs-vll"
 WORDS = PAGE // 8
 
@@ -286,12 +285,13 @@ def work(args: argparse.Namespace, collected: Collected) -> dict[str, Any]:
     report: dict[str, Any] = {"op": args.op, "first": args.first, "blocks": args.blocks,
                               "block_bytes": tier.block_size, "probe": tier.probe,
                               "o_direct": tier.o_direct}
-    if args.op == "store":
+    if args.seconds:
+        tier.fill()
+        report["passes"] = passes(tier, args.op, indices, args.seconds, collected)
+    elif args.op == "store":
         tier.fill()
         failed, seconds = timed(tier.store, indices)
         report |= {"seconds": seconds, "failed": failed}
-    elif args.seconds:
-        report["passes"] = load_passes(tier, indices, args.seconds, collected)
     else:
         hits, seconds = timed(tier.lookup, indices)
         found = [i for i, hit in zip(indices, hits, strict=True) if hit]
@@ -307,25 +307,27 @@ def work(args: argparse.Namespace, collected: Collected) -> dict[str, Any]:
     return report
 
 
-def load_passes(tier: VllmTier, indices: list[int], seconds: float,
-                collected: Collected) -> list[dict[str, Any]]:
-    """Lookups and loads of `indices` again and again for `seconds`, as an instance serving
-    one prompt after another does: per pass, when it started (seconds since the first), its
-    hits, failed and mismatched blocks and the first message vLLM's code logged."""
-    passes: list[dict[str, Any]] = []
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        began = time.monotonic() - start
-        logged = len(collected.messages)
+def passes(tier: VllmTier, op: str, indices: list[int], seconds: float,
+           collected: Collected) -> list[dict[str, Any]]:
+    """`op` of `indices` again and again for `seconds` (json_worker.repeat): per pass, the
+    blocks that failed and, for loads, the hits and the blocks loaded wrong. A store pass
+    removes the blocks' files first, so that each pass writes them."""
+    def store() -> dict[str, Any]:
+        try:  # removed first, as an evictor does (vLLM skips a block whose file exists)
+            for index in indices:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tier.path(index))
+        except OSError as error:
+            return {"failed": len(indices), "error": str(error)}
+        return {"failed": len(tier.store(indices))}
+
+    def load() -> dict[str, Any]:
         found = [i for i, hit in zip(indices, tier.lookup(indices), strict=True) if hit]
         failed = tier.load(found)
-        messages = collected.messages[logged:]
-        passes.append({"at": round(began, 3), "hits": len(found), "failed": len(failed),
-                       "mismatched": len(tier.mismatched(sorted(set(found) - set(failed)))),
-                       "message": messages[0] if messages else ""})
-        del collected.messages[logged:]  # a pass's messages are in its record
-        time.sleep(PASS_PAUSE)
-    return passes
+        return {"hits": len(found), "failed": len(failed),
+                "mismatched": len(tier.mismatched(sorted(set(found) - set(failed))))}
+
+    return repeat(store if op == "store" else load, seconds, collected)
 
 
 def run_worker(op: str, root: Path, blocks: int, *, first: int = 0, block_mib: int = 2,
@@ -353,8 +355,8 @@ def main() -> int:
     parser.add_argument("--buffered", action="store_true",
                         help="no O_DIRECT even where vLLM's probe finds it works")
     parser.add_argument("--seconds", type=float, default=0,
-                        help="load: look up and load again and again for this long, and "
-                             "report each pass")
+                        help="store or load again and again for this long, and report "
+                             "each pass")
     args = parser.parse_args()
     collected = Collected()
     logging.getLogger().addHandler(collected)
