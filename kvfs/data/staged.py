@@ -47,7 +47,10 @@ class StagedFile:
         new one is created there."""
         self.store = store
         self.blob_id = blob_id
-        self.fd = store.create_staging(blob_id) if fd is None else fd
+        # Where it is staged, and under which session (shared pool): the store's directory
+        # when it was made (a host declared dead stages anew in another, `stage_in_current`).
+        self.directory, self.session = store.current_staging()
+        self.fd = store.create_staging(blob_id, self.directory) if fd is None else fd
         self.size = base.size if base is not None else 0  # logical size of the new content
         self.physical = 0  # bytes it takes on the volume (the base is not copied yet)
         self.sums: dict[int, int] = {}
@@ -67,7 +70,7 @@ class StagedFile:
         """New content over a committed staged file's data, changed by kernel writes."""
         staged = cls(committed.store, blob_id, None, None,
                      fd=committed.store.stage_again(committed.blob_id, committed.published,
-                                                        blob_id))
+                                                        blob_id, committed.directory))
         staged._seen = None
         staged.take_kernel_writes()
         return staged
@@ -119,15 +122,18 @@ class StagedFile:
     def _stage_again(self) -> None:
         """Another host reaped this host's staging directory while it stalled (it was
         declared dead), and the file's name went with it: its data, still in the open file,
-        is staged again under the same name (its blob id is still this host's alone)."""
-        os.makedirs(self.store.staging_dir, exist_ok=True)  # (before the rejoin makes it)
-        fd = self.store.create_staging(self.blob_id)
+        is staged again under the same name (its blob id is still this host's alone), in the
+        directory the host stages in now."""
+        directory, session = self.store.current_staging()
+        os.makedirs(directory, exist_ok=True)  # (before the rejoin makes it)
+        fd = self.store.create_staging(self.blob_id, directory)
         try:
             copy_data(self.fd, fd, self.size, "staged file shorter than written")
         except BaseException:
             os.close(fd)
-            self.store.discard_staging(self.blob_id)
+            self.store.discard_staging(self.blob_id, directory)
             raise
+        self.directory, self.session = directory, session
         seen = self._seen == _file_state(self.fd)
         os.close(self.fd)
         self.fd = fd
@@ -275,6 +281,20 @@ class StagedFile:
                                   pending)
         return self._finished
 
+    def stage_in_current(self) -> bool:
+        """(A commit found its session claimed by a reaper, which may delete this file) Stage
+        it again where the host stages now; False if that is where it is. The copy left
+        behind goes (a reaper that finds the blob committed would publish it: the same
+        bytes, but a second source for one name)."""
+        claimed = self.directory
+        if claimed == self.store.current_staging()[0]:
+            return False
+        self._stage_again()
+        if self.store.fsync:
+            os.fdatasync(self.fd)
+        self.store.discard_staging(self.blob_id, claimed)
+        return True
+
     def mark_committed(self) -> None:
         """The metadata commit naming this blob went through: never deleted from here on."""
         self.committed = True
@@ -285,12 +305,14 @@ class StagedFile:
 
     def publish(self) -> None:
         if not self.published:
-            self.store.publish(self.blob_id)  # (a rename moves the ctime, not what _seen holds)
+            # (a rename moves the ctime, not what _seen holds)
+            self.store.publish(self.blob_id, self.directory)
             self.published = True
 
     def publishing_paths(self) -> tuple[str, str]:
         """(where it is staged, where it is published): for another process to rename."""
-        return self.store.staging_path(self.blob_id), self.store.path(self.blob_id)
+        return (self.store.staging_path(self.blob_id, self.directory),
+                self.store.path(self.blob_id))
 
     def published_elsewhere(self) -> None:
         """Another process renamed it (`publishing_paths`)."""
@@ -304,7 +326,7 @@ class StagedFile:
         later flush publishes it)."""
         self.close()
         if not self.committed:
-            self.store.discard_staging(self.blob_id)
+            self.store.discard_staging(self.blob_id, self.directory)
 
 
 def _file_state(fd: int) -> tuple[int, int]:

@@ -203,6 +203,7 @@ class DataStore:
         self.blobs_dir = root / "blobs"
         self.staging_root = root / "staging"
         self.staging_dir = self.staging_root / session if session else self.staging_root
+        self.session = session
         self.shared = bool(session)
         self.fsync = fsync
         for shard in range(256):
@@ -215,26 +216,41 @@ class DataStore:
     def path(self, blob_id: int) -> str:
         return f"{self._blobs}/{blob_id & 0xFF:02x}/{blob_id:016x}"
 
-    def staging_path(self, blob_id: int) -> str:
-        return f"{self._staging}/{blob_id:016x}"
+    def switch_session(self, session: str) -> None:
+        """(Shared pool) This host staged under another session, which a reaper claimed: its
+        new files go to the new session's directory (those staged before keep theirs:
+        `directory` in the calls below)."""
+        staging_dir = self.staging_root / session
+        staging_dir.mkdir(parents=True, exist_ok=True)
+        self.staging_dir, self._staging, self.session = staging_dir, os.fspath(staging_dir), session
 
-    def create_staging(self, blob_id: int) -> int:
-        return os.open(self.staging_path(blob_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def current_staging(self) -> tuple[str, str]:
+        """(directory, session) where new files are staged now."""
+        return self._staging, self.session
 
-    def stage_again(self, blob_id: int, published: bool, new_id: int) -> int:
-        """A second name in staging/ for a committed blob's file, to commit it anew: the
-        kernel wrote into it after its commit (a passthrough writer open past a flush)."""
-        os.link(self.path(blob_id) if published else self.staging_path(blob_id),
+    def staging_path(self, blob_id: int, directory: str | None = None) -> str:
+        return f"{directory or self._staging}/{blob_id:016x}"
+
+    def create_staging(self, blob_id: int, directory: str | None = None) -> int:
+        return os.open(self.staging_path(blob_id, directory),
+                       os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def stage_again(self, blob_id: int, published: bool, new_id: int,
+                    directory: str | None = None) -> int:
+        """A second name in staging/ for a committed blob's file (staged in `directory`), to
+        commit it anew: the kernel wrote into it after its commit (a passthrough writer open
+        past a flush)."""
+        os.link(self.path(blob_id) if published else self.staging_path(blob_id, directory),
                 self.staging_path(new_id))
         return os.open(self.staging_path(new_id), os.O_RDWR | os.O_CLOEXEC)
 
-    def publish(self, blob_id: int) -> None:
-        error = move(self.staging_path(blob_id), self.path(blob_id))
+    def publish(self, blob_id: int, directory: str | None = None) -> None:
+        error = move(self.staging_path(blob_id, directory), self.path(blob_id))
         if error:
             raise OSError(error, os.strerror(error))
 
-    def discard_staging(self, blob_id: int) -> None:
-        _unlink_quietly(self.staging_path(blob_id))
+    def discard_staging(self, blob_id: int, directory: str | None = None) -> None:
+        _unlink_quietly(self.staging_path(blob_id, directory))
 
     def open_blob(self, blob_id: int) -> int:
         """Open a committed blob: published, or still in staging/ (being published, or
@@ -291,7 +307,10 @@ class DataStore:
             if entry.is_dir(follow_symlinks=False):
                 continue  # a host's staging directory: that host's, or its reaper's
             if is_committed(blob_id):
-                os.rename(entry.path, self.path(blob_id))
+                try:
+                    os.rename(entry.path, self.path(blob_id))
+                except FileNotFoundError:
+                    continue  # (another host cleaning up after the same session moved it)
                 published += 1
             else:
                 _unlink_quietly(entry.path)

@@ -49,7 +49,7 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import TypeVar, cast
 from urllib.parse import urlparse
@@ -169,6 +169,10 @@ class RedisEngine:
         self.allocate_script = self.client.register_script(ALLOCATE_SCRIPT)
         self.pool_guard: bytes | None = None  # this mount's pool (`guard`): commits check it
         self.pool_lost = False  # Redis holds another pool, or none: nothing is served
+        # Records this host alone writes (`own`), as it last wrote or read them: changes
+        # read them without a round trip, and their commit script checks them.
+        self._own: set[bytes] = set()
+        self._owned: dict[bytes, bytes] = {}
         self._closing = threading.Event()
         self._subscribed = False
         self._watcher: threading.Thread | None = None
@@ -285,6 +289,7 @@ class RedisEngine:
                     if self._down_until or self.call(txn.still_valid):
                         raise
             self.cache.drop(txn.read)  # (what it read may have come stale from the cache)
+            self._forget_owned(txn.read)
             self.conflicts += 1
             attempt += 1
             if time.monotonic() >= deadline:
@@ -318,6 +323,7 @@ class RedisEngine:
             await txn.commit_on_loop(self.loop_connection)
         except redis.WatchError:
             self.cache.drop(txn.read)
+            self._forget_owned(txn.read)
             self.conflicts += 1
             raise RoundTripNeeded from None
         except LoopConnectionError as error:
@@ -343,13 +349,30 @@ class RedisEngine:
         pending.append(txn)
         return result
 
+    def own(self, family: str, key: bytes, value: bytes) -> None:
+        """`family`'s record `key` is this host's alone to write, and holds `value`."""
+        record = record_key(family, key)
+        self._own.add(record)
+        self._owned[record] = value
+
+    def _forget_owned(self, records: Iterable[bytes]) -> None:
+        """(A change that read them conflicted) read them from Redis next time."""
+        for record in records:
+            self._owned.pop(record, None)
+
     def read(self, family: str, records: list[bytes], cached: bool = True
              ) -> list[bytes | None]:
         """Records (their Redis keys) of one family: from the cache where it has them
         (`cached`: for a change, whose commit checks them), the rest in one round trip."""
+        if cached and self._owned and all(record in self._owned for record in records):
+            return [self._owned[record] for record in records]
         kept = self.cache.cacheable(family)
         if not kept:
-            return self._fetch(records)
+            fetched = self._fetch(records)
+            for record, value in zip(records, fetched, strict=True):
+                if record in self._own and value is not None:
+                    self._owned[record] = value
+            return fetched
         found: list[Cached] = [NotCached.MISS] * len(records)
         if cached:
             found = [self.cache.get(record) for record in records]

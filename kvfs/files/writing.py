@@ -240,7 +240,7 @@ class Writer:
             await self.copy_base(staged)
             staged.changed = True
 
-    async def _commit(self, handle: Handle, staged: StagedFile) -> bool:
+    async def _commit(self, handle: Handle, staged: StagedFile, again: bool = True) -> bool:
         # Marked and held by the commit itself: another writer's commit (on any host) may
         # replace it at once, and this handle goes on reading it.
         self.retirer.publishing(staged.blob_id)
@@ -256,6 +256,14 @@ class Writer:
         except BaseException as error:
             await self.session.release(staged.blob_id)
             self.retirer.publishing_over(staged.blob_id)
+            if isinstance(error, FsError) and error.errno == errno.ESTALE:
+                # A reaper claimed the session this file was staged under (this host was
+                # declared dead while it stalled), and may be deleting the file: this host
+                # registers anew, stages the file again there, and commits that.
+                await self.session.catch_up()
+                if again and await off_loop(staged.stage_in_current):
+                    return await self._commit(handle, staged, again=False)
+                raise fail(errno.EIO) from None
             if not isinstance(error, FsError) or error.errno != errno.ENOENT:
                 raise
             self.discard_staged(handle)  # the file was removed meanwhile: its writes go too
@@ -295,8 +303,9 @@ class Writer:
             blob = await off_loop(staged.finish, ino, hash_later)
         else:
             blob = staged.finish(ino, hash_later)
-        inode, old_blob = await self.meta_call.change(self.meta.content.commit_content, ino, blob,
-                                                      holder)
+        inode, old_blob = await self.meta_call.change(
+            self.meta.content.commit_content, ino, blob, holder,
+            self.session.staging_session(staged.session))
         if staged.syncs or (self.publish_later and self.helper is not None
                             and self.helper.alive):
             self._published_later[staged.blob_id] = trio.Event()
@@ -376,7 +385,8 @@ class Writer:
         """Hash (unless the kernel wrote it and it is large: then in the background, after
         the commit), commit (with `holder`'s hold) and publish."""
         blob = staged.finish(ino, hash_later)
-        inode, old_blob = self.meta.content.commit_content(ino, blob, holder)
+        inode, old_blob = self.meta.content.commit_content(
+            ino, blob, holder, self.session.staging_session(staged.session))
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()
         return blob, inode, old_blob

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from kvfs.engines.interface import Txn
 from kvfs.meta.core import MetaCore
-from kvfs.meta.schema import Inode, Removed, from_u64, u64
+from kvfs.meta.schema import LIVE_SESSION, Inode, Removed, from_u64, u64
 from kvfs.records import BlobInfo, FsError, fail
 
 
@@ -69,15 +69,20 @@ class Content:
         end = self.engine.allocate(b"next_blob", count)
         return range(end - count, end)
 
-    def commit_content(self, ino: int, blob: BlobInfo | None, holder: bytes | None = None
-                       ) -> tuple[Inode, int]:
+    def commit_content(self, ino: int, blob: BlobInfo | None, holder: bytes | None = None,
+                       staged_in: bytes | None = None) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
         `holder`: the session that holds the new blob open, recorded in the same change (the
-        committing host of a shared pool: one round trip, not two).
+        committing host of a shared pool: one round trip, not two). `staged_in`: the session
+        whose staging directory holds the blob's file, which must still be its own.
 
-        Raises ENOENT when the inode was removed meanwhile: the caller discards the blob."""
+        Raises ENOENT when the inode was removed meanwhile: the caller discards the blob;
+        ESTALE when a reaper claimed `staged_in` (its host was declared dead): the reaper
+        may be deleting the file, so the caller stages it again and commits that."""
         now = time.time_ns()
         def change(txn: Txn) -> tuple[Inode, int]:
+            if staged_in is not None and txn.get("settings", LIVE_SESSION + staged_in) is None:
+                raise fail(errno.ESTALE)
             inode = self.core.get(txn, ino)
             old_blob = inode.blob
             self.core.release_blob(txn, old_blob)

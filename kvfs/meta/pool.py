@@ -3,9 +3,19 @@ and the boot a mount runs in."""
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from kvfs.engines.interface import Txn
 from kvfs.meta.core import MetaCore
-from kvfs.meta.schema import u64
+from kvfs.meta.schema import LIVE_SESSION, u64
+
+
+@runtime_checkable
+class OwnRecords(Protocol):
+    """A shared engine told which records this host alone writes (kvfs/engines/redis_engine.py):
+    changes read them from memory, their commits still check them."""
+
+    def own(self, family: str, key: bytes, value: bytes) -> None: ...
 
 
 class Pool:
@@ -16,7 +26,23 @@ class Pool:
         self.engine = core.engine
 
     def register_session(self, session: bytes, record: bytes) -> None:
-        self.core.change(lambda txn: txn.put("sessions", session, record))
+        """A new session: its record, and the mark that its staging directory is its own
+        (`LIVE_SESSION`, which its content commits check)."""
+        def change(txn: Txn) -> None:
+            txn.put("sessions", session, record)
+            txn.put("settings", LIVE_SESSION + session, b"1")
+        self.core.change(change)
+        if isinstance(self.engine, OwnRecords):
+            self.engine.own("settings", LIVE_SESSION + session, b"1")
+
+    def update_session(self, session: bytes, record: bytes) -> bool:
+        """Replace a session's record; False (nothing written) if a reaper claimed it."""
+        def change(txn: Txn) -> bool:
+            if txn.get("sessions", session) is None:
+                return False
+            txn.put("sessions", session, record)
+            return True
+        return self.core.change(change)
 
     def sessions(self) -> dict[bytes, bytes]:
         with self.engine.snapshot() as txn:
@@ -27,11 +53,20 @@ class Pool:
         def change(txn: Txn) -> bool:
             if not txn.delete("sessions", session):
                 return False
+            txn.discard("settings", LIVE_SESSION + session)
             for blob in self.core.suffixes(txn, "holding", session):
                 txn.discard("holding", session + blob)
                 txn.discard("held", blob + session)
             return True
         return self.core.change(change)
+
+    def drop_holds(self, session: bytes) -> None:
+        """Remove every hold `session` has (a session that ended: its record is gone)."""
+        def change(txn: Txn) -> None:
+            for blob in self.core.suffixes(txn, "holding", session):
+                txn.discard("holding", session + blob)
+                txn.discard("held", blob + session)
+        self.core.change(change)
 
     def hold(self, blob_id: int, session: bytes) -> None:
         self.core.change(lambda txn: self.core.record_hold(txn, blob_id, session))

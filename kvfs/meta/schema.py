@@ -71,6 +71,9 @@ NAME_MAX = 255
 PATH_MAX = 4096
 XATTR_VALUE_MAX = 64 * 1024
 PIN_XATTR = b"user.kvfs.pin"
+# `settings` key prefix of a shared pool's session whose staging directory is its own: set
+# when it registers, removed by the claim of whoever reaps it; content commits check it.
+LIVE_SESSION = b"live:"
 FORMAT = b"kvfs-5"
 V1_FORMAT = b"kvfs-1"  # before hard links and holes: migrated in place at open
 V2_FORMAT = b"kvfs-2"  # per-model usage as one packed record: migrated in place at open

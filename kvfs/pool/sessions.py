@@ -14,7 +14,12 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
   staged blobs are published (committed) or deleted (not), the files it wrote whose
   checksums were still pending are hashed if it ran on this machine's boot and dropped
   otherwise (their bytes may never have reached the volume), and its holds go. A host only
-  stalled that finds itself reaped registers again and loses nothing (kvfs/data/store.py).
+  stalled that finds itself reaped registers again, as a new session with a staging
+  directory and mount record of its own, and loses nothing (kvfs/data/staged.py).
+- Its content commits check that the session whose staging directory holds the file is
+  still alive (its mark, which the reaper's claim removes: kvfs/meta/content.py), so nothing
+  is committed where a reaper deletes; a close that finds it claimed runs the upkeep at once
+  (`catch_up`) and commits a copy staged under the new session.
 - It holds, in the engine, every blob it has open (`held` records): eviction spares a file
   whose blob any host holds, and a replaced or removed blob's data file is deleted (the
   doomed sweep, every second, on every host) only once no host holds it and no host is still
@@ -121,6 +126,9 @@ class Session:
         self._seen_dead: dict[bytes, float] = {}  # session -> when first seen not beating
         self._beat_ok = time.monotonic()
         self._sweep_wanted = trio.Event()
+        self._upkeep_lock = trio.Lock()
+        self._staged_bytes: Callable[[], int] = lambda: 0
+        self._want_sums: Callable[[int], None] = lambda blob_id: None
         self._record: dict[str, Any] = {  # JSON: the session's record
             "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
             "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint), "staged": 0}
@@ -128,6 +136,11 @@ class Session:
             meta.engine.beat(self.id, ttl)
             meta.pool.register_session(self.id, json.dumps(self._record).encode())
             volume.record_mount(self.id, mountpoint)
+
+    def staging_session(self, session: str) -> bytes | None:
+        """The session a staged file's directory (`session`, hex) belongs to, which its
+        content commit checks (None on one host)."""
+        return bytes.fromhex(session) if self.shared else None
 
     # -- holds ---------------------------------------------------------------------------
 
@@ -280,22 +293,38 @@ class Session:
         """Heartbeat, staged-bytes report and the reaping of dead sessions (shared only)."""
         if not self.shared:
             return
+        self._staged_bytes, self._want_sums = staged, want_sums
         while True:
+            await self._round()
+            await trio.sleep(self.ttl / 4)
+
+    async def catch_up(self) -> None:
+        """(A commit found the session it staged under claimed by a reaper) An upkeep round
+        now, which finds this session gone and registers a new one."""
+        if self.shared:
+            await self._round()
+
+    async def _round(self) -> None:
+        async with self._upkeep_lock:
+            previous = self.id
             try:
-                round_ = await off_loop(self._upkeep, staged(), list(self._held))
+                round_ = await off_loop(self._upkeep, self._staged_bytes(), list(self._held))
                 self.staged_elsewhere = round_.staged_elsewhere
                 self.stats.sessions_lost += round_.lost
-                if round_.lost:  # the reaper dropped this session's holds: none to release
+                if round_.lost:
+                    # Staged files go to the new session's directory from now on; the
+                    # reaper dropped the old session's holds: none to release.
+                    self.data.switch_session(self.id.hex())
                     self._releasing.clear()
                     self.on_lost()
+                    await off_loop(self._after_rejoin, previous, list(self._held))
                 for leftovers in round_.reaped:
                     self.stats.sessions_reaped += 1
                     for blob_id in leftovers.to_hash:
-                        want_sums(blob_id)
+                        self._want_sums(blob_id)
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("session upkeep failed")
-            await trio.sleep(self.ttl / 4)
 
     def _upkeep(self, staged: int, held: list[int]) -> UpkeepRound:
         """One round (worker thread; `_seen_dead`, `_beat_ok` and `_record` are the rounds'
@@ -304,32 +333,57 @@ class Session:
         self.meta.engine.beat(self.id, self.ttl)
         self._beat_ok = time.monotonic()
         sessions = self.meta.pool.sessions()
-        lost = self.id not in sessions
+        self._record["staged"] = staged
+        record = json.dumps(self._record).encode()
+        previous = self.id
+        # (an update, not a registration: a reaper's claim between the read and here must
+        # not be undone, or this host's commits would land in a directory being reaped)
+        lost = previous not in sessions or not self.meta.pool.update_session(previous, record)
         if lost:
             log.error("session %s was declared dead by another host (stalled for more than "
-                      "%.0f s?): registering again", self.id.hex(), self.ttl)
-            self._rejoin(held)
-        self._record["staged"] = staged
-        self.meta.pool.register_session(self.id, json.dumps(self._record).encode())
+                      "%.0f s?): registering again", previous.hex(), self.ttl)
+            self._rejoin(held, record)
         others = sum(json.loads(raw).get("staged", 0)
-                     for session, raw in sessions.items() if session != self.id)
-        return UpkeepRound(others, lost, self._reap_dead(sessions))
+                     for session, raw in sessions.items() if session not in (previous, self.id))
+        return UpkeepRound(others, lost, self._reap_dead(sessions, previous))
 
-    def _rejoin(self, held: list[int]) -> None:
-        """After being declared dead: the reaper took this session's staging directory, holds
-        and mount record; put them back (open writers' closes stage their data again from
-        their open files, kvfs/data/store.py)."""
-        self.data.staging_dir.mkdir(parents=True, exist_ok=True)
+    def _rejoin(self, held: list[int], record: bytes) -> None:
+        """After being declared dead: the reaper claimed this session, and cleans up its
+        staging directory, holds and mount record. Register as a new session, with a
+        staging directory and mount record of its own that no reaper of the old one touches
+        (open writers' closes stage their data there again, kvfs/data/staged.py)."""
+        session = u64(self.meta.engine.allocate(b"next_session", 1))
+        self.meta.session = session  # (the sessions its content commits name)
+        self.meta.engine.beat(session, self.ttl)
+        (self.data.staging_root / session.hex()).mkdir(parents=True, exist_ok=True)
+        self.meta.pool.register_session(session, record)
+        for blob_id in held:
+            self.meta.pool.hold(blob_id, session)
+        self.volume.record_mount(session, Path(self._record["mountpoint"]))
+        self.id = session
+
+    def _after_rejoin(self, previous: bytes, held: list[int]) -> None:
+        """(After `_rejoin`, once new files are staged in the new directory) Holds recorded
+        under the old session while it rejoined go, every blob held now is held under the
+        new one, and what was staged in the old directory since its reaper cleaned it up (a
+        close that staged its file again before the rejoin, spares made meanwhile) goes as
+        the reaper's clean-up would: committed blobs published, the rest deleted."""
+        self.meta.pool.drop_holds(previous)
         for blob_id in held:
             self.meta.pool.hold(blob_id, self.id)
-        self.volume.record_mount(self.id, Path(self._record["mountpoint"]))
+        directory = self.data.staging_root / previous.hex()
+        if directory.is_dir():
+            self.data.recover(self.meta.content.is_committed_blob, directory)
+            with contextlib.suppress(OSError):  # (its reaper, still at work, removes it)
+                directory.rmdir()
 
-    def _reap_dead(self, sessions: dict[bytes, bytes]) -> list[Leftovers]:
-        """Claim and clean up after sessions seen dead long enough; what they left."""
+    def _reap_dead(self, sessions: dict[bytes, bytes], previous: bytes) -> list[Leftovers]:
+        """Claim and clean up after sessions seen dead long enough (not this host's, now or
+        before this round); what they left."""
         now = time.monotonic()
         reaped = []
         for session, raw in sessions.items():
-            if session == self.id:
+            if session in (self.id, previous):
                 continue
             record = json.loads(raw)
             if not _exited_here(record):
