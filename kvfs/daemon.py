@@ -175,7 +175,8 @@ class Daemon:
         self.stats = Stats()
         self.session = Session(self.volume, self.meta, self.data, self.stats,
                                config.mountpoint, config.session_ttl)
-        self.kernel = KernelInodes(numbers_from)
+        self.kernel = KernelInodes(numbers_from,
+                                   self.meta.core.next_id() if takeover else 0)
         self.notifier = KernelNotifier(self.kernel)
         self.space = Space(self.meta, config.data, self.stats, self.session,
                            open_inodes=self._open_inodes, evicted=self._evicted,

@@ -100,8 +100,7 @@ def test_daemonsets_mount_under_the_parent_engines_share() -> None:
         container = kvfs_container(daemonset)
         start = container["args"][0]
         assert container["securityContext"]["privileged"] is True
-        assert f"fusermount3 -u -z {NODE_DIR}/mnt" in start
-        assert f"exec kvfs mount {NODE_DIR}/mnt " in start and "--foreground" in start
+        assert f"until kvfs mount {NODE_DIR}/mnt " in start and "--foreground" in start
         assert ("--meta" in start) == (daemonset["metadata"]["name"] == "kvfs-cluster")
         (shared,) = [mount for mount in container["volumeMounts"]
                      if mount.get("mountPropagation") == "Bidirectional"]
@@ -172,23 +171,30 @@ def daemon_command(node: Path, data: Path, extra: list[str]) -> str:
     """The kvfs DaemonSet's start command, with this machine's paths."""
     start = kvfs_container(node_daemonset())["args"][0]
     start = start.replace(" /data ", f" {data} ").replace(NODE_DIR, str(node))
-    start = start.replace("exec kvfs mount", f"exec {KVFS_CLI} mount")
-    return start.replace("9477", str(free_port())) + " " + " ".join([*extra, *MOUNT_OPTIONS])
+    start = start.replace("kvfs mount", f"{KVFS_CLI} mount")
+    options = " ".join([*extra, *MOUNT_OPTIONS])
+    return start.replace("9477", str(free_port())).replace("; do", f" {options}; do", 1)
+
+
+def start_pod(node: Path, data: Path, extra: list[str], engine: Engine) -> subprocess.Popen:
+    """The kvfs pod's container: its start command in a mount namespace of its own, shared
+    propagation; returns once the engine sees the mount ready."""
+    pod = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "shared", "/bin/sh", "-c",
+         daemon_command(node, data, extra)], env={**os.environ, "KVFS_CAPACITY": "64M"})
+    # (readiness, as the engine sees it)
+    assert wait_for(lambda: engine.ask("exists", path=f"{node}/mnt/.kvfs/stats")["exists"], 30)
+    return pod
 
 
 def test_dead_mount_cleared_and_restart_reaches_the_engine(node_dir: Path, tmp_path: Path,
                                                            engine: Engine) -> None:
     """Run for both data paths: with `--passthrough off` the daemon serves every read."""
     mnt, data = node_dir / "mnt", tmp_path / "data"
-    environment = {**os.environ, "KVFS_CAPACITY": "64M"}
     daemons: list[subprocess.Popen] = []
 
     def start_daemon(extra: list[str]) -> subprocess.Popen:
-        daemons.append(subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "shared", "/bin/sh", "-c",
-             daemon_command(node_dir, data, extra)], env=environment))
-        # (readiness, as the engine sees it)
-        assert wait_for(lambda: engine.ask("exists", path=f"{mnt}/.kvfs/stats")["exists"], 30)
+        daemons.append(start_pod(node_dir, data, extra, engine))
         return daemons[-1]
 
     try:
@@ -207,7 +213,7 @@ def test_dead_mount_cleared_and_restart_reaches_the_engine(node_dir: Path, tmp_p
             assert all(wait_dead(pid) for pid in pod)
             assert engine.ask("read", path=name).get("errno") in DEAD
 
-            start_daemon(extra)  # (its command clears the dead mount first)
+            start_daemon(extra)  # (kvfs mount clears the dead mount first)
             assert engine.ask("read", path=name) == {"hex": chunk.hex()}, "new opens work"
             again = engine.ask("pread", fd=held, size=2 * MiB)
             if extra:  # the daemon served that file: its connection is gone
@@ -230,6 +236,32 @@ def test_dead_mount_cleared_and_restart_reaches_the_engine(node_dir: Path, tmp_p
             if daemon.poll() is None:
                 daemon.kill()
                 daemon.wait()
+
+
+def test_the_daemon_alone_dies_and_the_engine_sees_no_error(node_dir: Path, tmp_path: Path,
+                                                            engine: Engine) -> None:
+    """A crash or an OOM kill of the daemon process: the pod's loop mounts again, the new
+    daemon takes the mount over from the keeper, and the engine's opens and reads wait it
+    out; a file it held open by passthrough keeps reading."""
+    mnt = node_dir / "mnt"
+    pod = start_pod(node_dir, tmp_path / "data", [], engine)
+    try:
+        chunk = os.urandom(MiB)
+        name = f"{mnt}/chunk"
+        assert engine.ask("write", path=name, hex=chunk.hex()) == {"ok": True}
+        held = engine.ask("open", path=name)["fd"]
+        (daemon,) = [int(child) for child in
+                     Path(f"/proc/{pod.pid}/task/{pod.pid}/children").read_text().split()]
+        os.kill(daemon, signal.SIGKILL)
+        assert wait_dead(daemon)
+        assert engine.ask("read", path=name) == {"hex": chunk.hex()}, "waited, then read"
+        assert engine.ask("pread", fd=held, size=2 * MiB) == {"hex": chunk.hex()}
+        engine.ask("close", fd=held)
+        assert pod.poll() is None, "the pod lives on"
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        if pod.wait(30) is None:
+            pod.kill()
 
 
 def docker_works() -> bool:

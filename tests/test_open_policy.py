@@ -32,6 +32,14 @@ PT = {"passthrough": True}  # a mount where the kernel grants passthrough
 ODIRECT_DAEMON = {"passthrough": True, "kernel_o_direct": False}
 
 CASES = [
+    # -- a kernel inode an earlier daemon of the connection may have left state on --
+    ("reader on an inherited kernel inode", OpenFacts(RD, True, 1, inherited=True, **PT),
+     Serving.RENEW),
+    ("writer on an inherited kernel inode", OpenFacts(WR, True, 1, inherited=True, **PT),
+     Serving.RENEW),
+    ("reader joined there already", OpenFacts(RD, True, 1, inherited=True, joined=True, **PT),
+     Serving.PASSTHROUGH_READER),
+    ("kvfs's own open", OpenFacts(RD, True, 1, own=True, inherited=True, **PT), Serving.OWN),
     # -- the kernel inode: join, or not --
     ("alone reader", OpenFacts(RD, True, 1, **PT), Serving.PASSTHROUGH_READER),
     ("reader joins readers of its version", OpenFacts(RD, True, 1, others=[READER_V1], **PT),

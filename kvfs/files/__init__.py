@@ -219,7 +219,8 @@ class FileTable:
             clears_privileges=handle is not None and handle.kill_privs is not None
             and bool(privileges_to_clear(inode, handle.kill_privs)),
             cached_version=None if nodeid is None else self.state.cached_version.get(nodeid),
-            read_directly=None if nodeid is None else self.state.read_directly.get(nodeid))
+            read_directly=None if nodeid is None else self.state.read_directly.get(nodeid),
+            inherited=nodeid is not None and self.kernel.inherited(nodeid))
 
     async def _claim_kernel_inode(self, inode: Inode, nodeid: int | None, flags: int,
                                   blob: BlobInfo | None, caller: Caller) -> bool:

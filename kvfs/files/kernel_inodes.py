@@ -17,19 +17,26 @@ kernel has forgotten and that is no longer the file's current one is dropped.
 
 from __future__ import annotations
 
+import errno
 from itertools import count
+
+from kvfs.records import fail
 
 # Above every inode number the metadata hands out and below the control files'
 # (kvfs/fuse/control.py)
 FIRST_ALIAS = 1 << 61
+LAST_ALIAS = 1 << 62
 
 
 class KernelInodes:
     """Which node id the kernel is told for each inode, and which inode a node id names."""
 
-    def __init__(self, numbers_from: int = 0) -> None:
-        """`numbers_from`: where this daemon's aliases start above FIRST_ALIAS, apart from
-        those of a daemon that served the connection before (kvfs/fuse/keeper.py)."""
+    def __init__(self, numbers_from: int = 0, inherited_below: int = 0) -> None:
+        """A daemon that took the connection over from an earlier one (kvfs/fuse/keeper.py)
+        hands out aliases from FIRST_ALIAS + `numbers_from`, apart from the earlier ones',
+        and knows that kernel inodes of numbers below `inherited_below` may hold an earlier
+        daemon's state."""
+        self._inherited_below = inherited_below
         self._current: dict[int, int] = {}  # inode number -> its current alias
         self._alias_of: dict[int, int] = {}  # alias -> inode number
         self._lookups: dict[int, int] = {}  # alias -> lookups the kernel holds
@@ -37,8 +44,19 @@ class KernelInodes:
         self._next = count(FIRST_ALIAS + numbers_from)
 
     def ino(self, nodeid: int) -> int:
-        """The inode a node id the kernel sent names."""
-        return self._alias_of.get(nodeid, nodeid)
+        """The inode a node id the kernel sent names. An alias an earlier daemon of the
+        connection gave is ESTALE: the kernel then looks the name up again."""
+        ino = self._alias_of.get(nodeid)
+        if ino is not None:
+            return ino
+        if FIRST_ALIAS <= nodeid < LAST_ALIAS:
+            raise fail(errno.ESTALE)
+        return nodeid
+
+    def inherited(self, nodeid: int) -> bool:
+        """Whether kernel inode `nodeid` may hold an earlier daemon's page cache or backing
+        file, which this daemon cannot know: an open there gets a fresh kernel inode."""
+        return nodeid < self._inherited_below
 
     def nodeid(self, ino: int) -> int:
         """The node id to tell the kernel for `ino` now."""

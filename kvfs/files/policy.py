@@ -76,12 +76,15 @@ class OpenFacts:
     clears_privileges: bool = False  # a writer whose writes clear setuid/setgid
     cached_version: int | None = None  # the one version its kernel inode's pages may hold
     read_directly: int | None = None  # the version read once there bypassing them
+    inherited: bool = False  # its kernel inode may hold an earlier daemon's state
 
 
 def serve_open(facts: OpenFacts) -> Serving:
     """How the open `facts` describe is served.
 
-    Its kernel inode first, unless `joined`: an open that cannot join the others there
+    Its kernel inode first, unless `joined`: an open on one an earlier daemon of the
+    connection may have left state on (`inherited`: a page cache, a backing file) is
+    `RENEW`ed; one that cannot join the others there
     (`shares_kernel_inode`) is a write-only retry served `WRITER_BESIDE` (it can neither
     read nor map), any other retry `WAIT`s (until it can join, or no longer, then asked
     again with `waited`), the rest `RENEW`.
@@ -96,6 +99,8 @@ def serve_open(facts: OpenFacts) -> Serving:
     once), later ones read through it; writers are direct_io."""
     access = facts.flags & os.O_ACCMODE
     writable = access != os.O_RDONLY
+    if facts.inherited and not facts.own and not facts.joined:
+        return Serving.RENEW
     if (not facts.own and not facts.joined
             and not shares_kernel_inode(facts.others, writable, facts.version)):
         if access == os.O_WRONLY:

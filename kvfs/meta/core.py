@@ -54,6 +54,10 @@ class MetaCore:
             with self._ids_lock:  # (what is left of a batch another thread took goes unused)
                 self._ids = range(end - ID_BATCH, end)
 
+    def next_id(self) -> int:
+        """The next inode number or cookie `next_ino` hands out: all below it were issued."""
+        return self.engine.allocate(b"next_ino", 0)
+
     def get(self, txn: Txn, ino: int) -> Inode:
         raw = txn.get("inode", u64(ino))
         if raw is None:
