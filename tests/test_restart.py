@@ -2,10 +2,11 @@
 systemd's unit (examples/kvfs.service) or a supervisor does after a crash.
 
 The mount's keeper (kvfs/fuse/keeper.py) holds the kernel's connection: the engine's
-requests wait for the next daemon, which takes the connection over, and the engine sees no
-error at all. Without a keeper (killed too) the mount is dead: the engine's loads fail while
-no daemon serves, and the mount command clears the dead mount itself. No byte an engine loads
-is ever wrong. The client's own code runs in a process of its own, loading in a loop.
+requests wait for the next daemon, which takes the connection over; loads see no error at
+all, and only a store the dead daemon was writing fails. Without a keeper (killed too) the
+mount is dead: the engine's lookups miss while no daemon serves, and the mount command
+clears the dead mount itself. No byte an engine loads is ever wrong. The client's own code
+runs in a process of its own, storing or loading in a loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from kvfs.fuse.keeper import socket_path
 
 UNITS = 8  # blocks (vLLM) or pages (SGLang) each pass stores or loads
 ERRNO = re.compile(r"\[Errno \d+\] [^:]*")  # in what a client's code logs of a failure
+# What vLLM logs first of the store the dead daemon was writing: its write or close failed
+# (the handle went with that daemon), or its clean-up found the temp file gone (the new
+# daemon's recovery removed the uncommitted file)
+IN_FLIGHT_STORE_ERRORS = {"[Errno 107] Transport endpoint is not connected",
+                          "[Errno 2] No such file or directory"}
 RESTART_DELAY = 1.0  # seconds from the kill to the next mount command (systemd's RestartSec)
 CLIENTS = {"vllm": (VLLM_DIR, run_vllm), "sglang": (SGLANG_DIR, run_sglang)}
 LOOPS = [pytest.param(client, op, marks=pytest.mark.skipif(
@@ -104,7 +110,11 @@ def test_engines_wait_through_a_restart_without_an_error(make_mount, client: str
                                                          op: str) -> None:
     kvfs = make_mount("--capacity", "1G")
     passes = loop_while(kvfs, client, op, lambda: kill_and_mount_again(kvfs))
-    assert broken(passes) == []
+    if op == "load":
+        assert broken(passes) == []
+    else:  # a store the dead daemon was writing fails (its handle is gone), and only it
+        assert len(broken(passes)) <= 1, summary(passes)
+        assert set(summary(passes)["errors"]) <= IN_FLIGHT_STORE_ERRORS, summary(passes)
     assert summary(passes)["longest_pass_s"] >= RESTART_DELAY, "the engine waited"
     assert "took over" in (kvfs.data / "kvfs.log").read_text()
 

@@ -121,6 +121,7 @@ class FileState:
         self.cached_version: dict[int, int] = {}
         self.read_directly: dict[int, int] = {}
         self.next_fh = count(1 + numbers_from)
+        self._first_fh = 1 + numbers_from
         self.clock = count(1)  # orders writers' changes: the latest one's size is shown
 
     async def attributes(self, ino: int, cached: bool = False, nodeid: int | None = None
@@ -167,9 +168,11 @@ class FileState:
         return state is not None and any(handle.writable for handle in state.handles)
 
     def handle(self, fh: int) -> Handle:
+        """The open handle `fh`; one an earlier daemon of the connection opened is gone with
+        it (ENOTCONN, as on a mount whose daemon died)."""
         handle = self.handles.get(fh)
         if handle is None:
-            raise fail(errno.EBADF)
+            raise fail(errno.ENOTCONN if fh < self._first_fh else errno.EBADF)
         return handle
 
     def on_kernel_inode(self, ino: int, nodeid: int, but: Handle | None = None
