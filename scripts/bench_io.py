@@ -287,6 +287,13 @@ class KvfsMount:
         self.pid = 0
 
     @property
+    def python(self) -> Path:
+        """The checkout's own interpreter where it has a .venv (its own FUSE binding), else
+        this one."""
+        own = self.checkout / ".venv" / "bin" / "python"
+        return own if own.exists() else Path(sys.executable)
+
+    @property
     def mounted(self) -> bool:
         return any(line.split()[4] == str(self.mountpoint)
                    for line in Path("/proc/self/mountinfo").read_text().splitlines())
@@ -295,7 +302,7 @@ class KvfsMount:
         """Mount; returns the seconds until mount_kvfs.py returned (the mount is live)."""
         start = time.perf_counter()
         result = subprocess.run(
-            [sys.executable, str(self.checkout / "mount_kvfs.py"), str(self.mountpoint),
+            [str(self.python), str(self.checkout / "mount_kvfs.py"), str(self.mountpoint),
              "--data", str(self.data), *self.options],
             capture_output=True, text=True, cwd=self.checkout,
         )
