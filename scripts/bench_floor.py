@@ -9,9 +9,9 @@ ask the daemon, whatever it has cached, and the answer is EEXIST), through four 
   built here with gcc against the libfuse in .venv/libfuse): the kernel's round trip,
 - a minimal pyfuse3 daemon on trio answering from constants: what Python adds per request,
 - kvfs: its lookup of a stored name (a metadata read, the prefetcher's bookkeeping).
-The C and pyfuse3 daemons run twice: sleeping on /dev/fuse between requests, and polling it
-for kvfs's READ_SPIN_US first (kvfs's pyfuse3 patch; kvfs itself always polls): on a small VM
-most of a round trip is waking a sleeping daemon.
+The C daemon runs twice: sleeping on /dev/fuse between requests, and polling it for POLL_US
+first: on a small VM most of a round trip is waking a sleeping daemon, and a daemon that never
+sleeps is the floor of floors.
 Every daemon runs on the first CPU this process may use, and each stack is timed three ways:
 the client wherever the scheduler puts it (what clients get), on the daemon's CPU, and on
 another CPU. On this VM, waking a CPU that has gone idle is most of a round trip, and a
@@ -42,14 +42,12 @@ from bench_io import REPO, KvfsMount
 from rich.console import Console
 from rich.table import Table
 
-from kvfs.fuse.operations import READ_SPIN_US
-
 LIBFUSE = REPO / ".venv" / "libfuse"
 REQUESTS_PER_STORE = 11
+POLL_US = 100  # how long the polling C daemon polls /dev/fuse before it sleeps
 MINIMAL_PYFUSE3 = """
 import errno, stat, sys, pyfuse3, trio
 class Floor(pyfuse3.Operations):
-    read_spin_us = int(sys.argv[2])
     async def getattr(self, inode, ctx=None):
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = inode
@@ -176,13 +174,12 @@ def main() -> int:
             (work / "plain").mkdir()
             floor = str(build_floor_daemon(work))
             stacks: dict[str, Path] = {"plain directory (no FUSE)": work / "plain"}
-            for spin in (0, READ_SPIN_US):
-                how = f"polling {spin} µs" if spin else "sleeping"
+            for poll_us in (0, POLL_US):
+                how = f"polling {poll_us} µs" if poll_us else "sleeping"
                 stacks[f"libfuse low-level, C, {how}"] = stack.enter_context(
-                    foreground_daemon([floor], work / f"c-{spin}", str(spin)))
-                stacks[f"pyfuse3 on trio, minimal, {how}"] = stack.enter_context(
-                    foreground_daemon([sys.executable, "-c", MINIMAL_PYFUSE3],
-                                      work / f"pyfuse3-{spin}", str(spin)))
+                    foreground_daemon([floor], work / f"c-{poll_us}", str(poll_us)))
+            stacks["pyfuse3 on trio, minimal"] = stack.enter_context(
+                foreground_daemon([sys.executable, "-c", MINIMAL_PYFUSE3], work / "pyfuse3"))
             stacks["kvfs"] = stack.enter_context(kvfs_mount(work))
             for root in (stacks["plain directory (no FUSE)"], stacks["kvfs"]):
                 (root / "f").write_bytes(b"")

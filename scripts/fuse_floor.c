@@ -5,7 +5,7 @@
  *     fuse_floor MOUNTPOINT [POLL_US]   (stays in the foreground; fusermount3 -u ends it)
  *
  * With POLL_US > 0, the daemon polls its non-blocking /dev/fuse descriptor that long after
- * each request before it sleeps in poll(): what kvfs's pyfuse3 patch does (READ_SPIN_US).
+ * each request before it sleeps in poll(): the round trip of a daemon that never sleeps.
  */
 #define FUSE_USE_VERSION 317
 #include <errno.h>

@@ -30,7 +30,6 @@ BACKING_OPEN = (1 << 30) | (16 << 16) | (229 << 8) | 1  # FUSE_DEV_IOC_BACKING_O
 class BindingFs(pyfuse3.Operations):
     enable_passthrough = True
     reply_thread = True
-    read_spin_us = 50
     user_xattrs_only = True
 
     def __init__(self, backing: str, log: Path) -> None:

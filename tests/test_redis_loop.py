@@ -5,10 +5,7 @@ connection the server drops and a server that is down."""
 from __future__ import annotations
 
 import os
-import select
-import socket
 
-import pyfuse3
 import redis
 import trio
 import trio.testing
@@ -89,29 +86,3 @@ def test_a_server_that_is_down_fails_each_request(redis_server: LocalRedis) -> N
         assert trio.run(connection.request, b"PING") == b"PONG"
     finally:
         connection.close()
-
-
-def test_the_request_loop_stops_polling_for_a_ready_socket() -> None:
-    """Between requests the daemon polls /dev/fuse a little while before it sleeps (kvfs's
-    pyfuse3 patch); a Redis reply arriving meanwhile must end that poll at once. The patch
-    watches trio's own wait descriptor for it: readable once a socket a task waits on is."""
-
-    def readable(fd: int) -> bool:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
-
-    async def main() -> None:
-        fd = pyfuse3.trio_io_fd()
-        assert fd >= 0, "this trio keeps its wait descriptor elsewhere: update the patch"
-        waiting, sender = socket.socketpair()
-        with waiting, sender:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.lowlevel.wait_readable, waiting)
-                await trio.testing.wait_all_tasks_blocked()
-                assert not readable(fd)
-                sender.send(b"+OK\r\n")
-                assert readable(fd)
-
-    trio.run(main)
-    assert pyfuse3.trio_io_fd() == -1  # (outside trio.run)

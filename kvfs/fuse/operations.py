@@ -76,10 +76,6 @@ WIDE_DIRECTORY_BLKSIZE = 1 << 20
 WIDE_DIRECTORY_SUBDIRS = 512
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
-# kvfs's pyfuse3 (vendor/pyfuse3) polls /dev/fuse this long (without the GIL, when no task
-# is ready) before the loop sleeps on it: most of a FUSE round trip on a small VM is waking a
-# sleeping daemon (scripts/bench_floor.py).
-READ_SPIN_US = 100
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
 
 
@@ -204,7 +200,6 @@ class KvfsOperations(pyfuse3.Operations):
         self.passthrough = passthrough
         # What kvfs's pyfuse3 (vendor/pyfuse3/README.md) reads at INIT:
         self.enable_passthrough = passthrough.wanted
-        self.read_spin_us = READ_SPIN_US
         # replies over /dev/fuse written by a thread of the binding's own: the loop goes on
         # to the next request while the kernel wakes the last one's caller
         self.reply_thread = True

@@ -28,7 +28,7 @@ from libc cimport stdlib, string, errno
 from posix cimport unistd
 from libc.errno cimport EACCES, ETIMEDOUT, EPROTO, EINVAL, ENOMSG, ENOATTR
 from posix.unistd cimport getpid
-from posix.time cimport timespec, clock_gettime, CLOCK_MONOTONIC
+from posix.time cimport timespec
 from cpython.bytes cimport (PyBytes_AsStringAndSize, PyBytes_FromStringAndSize,
                             PyBytes_AsString, PyBytes_FromString, PyBytes_AS_STRING)
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release,
@@ -85,7 +85,6 @@ cdef fuse_session* session = NULL
 cdef fuse_lowlevel_ops fuse_ops
 cdef int session_fd
 cdef bint passthrough_granted = False
-cdef long read_spin_ns = 0  # kvfs's patch: see receive_spinning (internal.pxi)
 cdef bint replies_threaded = False  # kvfs's patch: see pyfuse3_replies_start
 cdef object py_retval
 # kvfs's patch: a file system that keeps extended attributes in the user namespace alone has
@@ -1114,8 +1113,6 @@ def init(ops, mountpoint, options=default_options):
         if res:
             log.warning('replies stay on the loop thread: %s', os.strerror(-res))
         replies_threaded = res == 0
-    global read_spin_ns
-    read_spin_ns = int(getattr(ops, 'read_spin_us', 0) * 1000)  # kvfs's patch
     global user_xattrs_only  # kvfs's patch
     user_xattrs_only = bool(getattr(ops, 'user_xattrs_only', False))
 

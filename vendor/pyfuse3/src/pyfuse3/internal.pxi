@@ -204,42 +204,6 @@ cdef class _WorkerData:
 # the trio module.
 cdef _WorkerData worker_data
 
-cdef long monotonic_ns() noexcept nogil:
-    cdef timespec now
-    clock_gettime(CLOCK_MONOTONIC, &now)
-    return now.tv_sec * 1000000000 + now.tv_nsec
-
-cdef int receive_spinning(fuse_buf *buf, long spin_ns) noexcept nogil:
-    '''kvfs's patch: read the next request, polling the non-blocking fd for up to spin_ns
-    (-EAGAIN if none came).'''
-    cdef long until = monotonic_ns() + spin_ns
-    cdef int res = -errno.EAGAIN
-    while res == -errno.EAGAIN and monotonic_ns() < until:
-        res = fuse_session_receive_buf(session, buf)
-    return res
-
-cdef long READ_SPIN_SLICE_NS = 10000  # kvfs's patch: see the poll in _session_loop
-
-cdef extern from *:
-    """
-    #include <poll.h>
-    /* kvfs's patch: whether fd has something to read, without waiting. */
-    static int pyfuse3_fd_readable(int fd) {
-        struct pollfd ready = {.fd = fd, .events = POLLIN};
-        return poll(&ready, 1, 0) > 0;
-    }
-    """
-    int pyfuse3_fd_readable(int fd) nogil
-
-def trio_io_fd():
-    '''kvfs's patch: the descriptor trio waits on for its tasks' I/O (its epoll), readable
-    when a socket a task waits for is; -1 outside trio.run or where this trio keeps it
-    elsewhere (then a spin ends only for runnable tasks and threads' results).'''
-    try:
-        return trio._core._run.GLOBAL_RUN_CONTEXT.runner.io_manager._epoll.fileno()
-    except AttributeError:
-        return -1
-
 READ_AT_ONCE_MAX = 16  # requests read without a scheduler pass between (kvfs's patch)
 
 async def _wait_fuse_readable():
@@ -285,8 +249,6 @@ async def _wait_fuse_readable():
 async def _session_loop(nursery, int min_tasks, int max_tasks):
     global init_request_seen  # kvfs's patch
     cdef int res
-    cdef long spun  # kvfs's patch
-    cdef int io_fd = trio_io_fd()  # kvfs's patch
     cdef fuse_buf buf
 
     name = trio.lowlevel.current_task().name
@@ -332,24 +294,6 @@ async def _session_loop(nursery, int min_tasks, int max_tasks):
         if res == -errno.EAGAIN:
             with nogil:
                 replies_flush()  # kvfs's patch: no request to read (pyfuse3_replies_flush)
-
-        # kvfs's patch: before the daemon sleeps on the fd, it polls it a little while,
-        # without the GIL, while no other task is ready, no worker thread has handed back a
-        # result and no socket a task waits for is readable (checked every
-        # READ_SPIN_SLICE_NS): a sequential client's next request then finds it awake (a
-        # sleeping daemon's wake-up is most of a FUSE round trip on a small VM), and a
-        # handler whose work or Redis reply just came back still runs before it.
-        spun = 0
-        while res == -errno.EAGAIN and spun < read_spin_ns:
-            if io_fd >= 0 and pyfuse3_fd_readable(io_fd):
-                break  # a socket a task waits for is ready (a Redis reply): trio goes first
-            statistics = trio.lowlevel.current_statistics()
-            if statistics.tasks_runnable or statistics.run_sync_soon_queue_size:
-                break
-            read_at_once = 0  # no other task was ready: the checkpoint is not owed yet
-            with nogil:
-                res = receive_spinning(&buf, READ_SPIN_SLICE_NS)
-            spun += READ_SPIN_SLICE_NS
 
         if res == -errno.EAGAIN:
             read_at_once = 0
