@@ -191,6 +191,7 @@ class Daemon:
         self.files = self._file_table(config, numbers_from)
         self.session.on_lost = self.files.session_lost
         self.files.verifier.load(self.volume.verified_path(self.shared))
+        self.files.prefetcher.load_direct_readers(self.volume.direct_readers_path(self.shared))
         for blob_id in pending:
             self.files.hasher.want(blob_id)
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -357,6 +358,8 @@ class Daemon:
             self.helper.close()
         try:
             self.files.verifier.save(self.volume.verified_path(self.shared))
+            self.files.prefetcher.save_direct_readers(
+                self.volume.direct_readers_path(self.shared))
         except OSError as error:
             log.warning("verification marks not kept: %s", error)
         self.meta.engine.sync()

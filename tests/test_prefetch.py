@@ -214,3 +214,23 @@ def test_o_direct_readers_get_the_check_ahead_and_no_page_cache(cold: KvfsMount)
     after = stats(cold.mountpoint)
     assert after["verified_bytes"] - before["verified_bytes"] == 3 * CHUNK  # by the prefetch
     assert after["verifications_skipped"] - before["verifications_skipped"] == 3
+
+
+def test_o_direct_readers_after_a_remount_read_verified_chunks_once(cold: KvfsMount) -> None:
+    """The share of O_DIRECT readers outlives a remount: the first lookups after it, before
+    any open, do not read chunks this host verified already (an O_DIRECT reader would read
+    them a second time)."""
+    paths = store_prompt(cold, 6)  # written here: verified, and the marks outlive the remount
+    contents = {path: path.read_bytes() for path in paths}
+    for path in paths[:3]:  # readers seen to be O_DIRECT (lookups apart: no burst)
+        assert read_direct(path) == contents[path]
+        time.sleep(1.2)
+    cold.remount()
+    drop_caches()
+    before = stats(cold.mountpoint)
+    look_up(paths[3:])
+    time.sleep(1)  # (a prefetch would be done)
+    assert all(read_direct(path) == contents[path] for path in paths[3:])
+    after = stats(cold.mountpoint)
+    assert after["prefetch_bytes"] == before["prefetch_bytes"] == 0
+    assert after["verified_bytes"] == before["verified_bytes"], "nothing read twice"

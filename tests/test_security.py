@@ -131,5 +131,6 @@ def test_data_stays_inside_the_data_directory(make_mount, tmp_path: Path) -> Non
     before = {p.name for p in tmp_path.iterdir()}
     assert before == {"mnt0", "data0"}
     stored = {p.relative_to(kvfs.data).parts[0] for p in kvfs.data.rglob("*") if p.is_file()}
-    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log", "verified-blobs", "staging"}
+    assert stored <= {"blobs", "meta", "kvfs.lock", "kvfs.log", "verified-blobs", "direct-readers",
+                      "staging"}
     assert_only_spares_staged(kvfs.data, kvfs)

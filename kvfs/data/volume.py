@@ -14,6 +14,8 @@ The one owner of the data directory's layout; the daemon (kvfs/daemon.py) and `k
     DATA/kvfs.log           the daemon's log (unless --log-file or --syslog)
     DATA/verified-blobs     verification marks left by the last unmount of this boot
                             (in a shared pool: verified-blobs.<host name>, one per host)
+    DATA/direct-readers     the share of O_DIRECT readers the last unmount saw (per host
+                            in a shared pool, as above): what the prefetch starts from
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/sh
 LOCK_NAME = "kvfs.lock"
 LOG_NAME = "kvfs.log"
 VERIFIED_NAME = "verified-blobs"
+DIRECT_READERS_NAME = "direct-readers"
 SHARED_NAME = "shared-metadata"
 MOUNTS_NAME = "mounts"
 POOL_ID_NAME = "pool-id"
@@ -83,8 +86,13 @@ class Volume:
             return None
 
     def verified_path(self, shared: bool) -> Path:
-        return self.root / (f"{VERIFIED_NAME}.{socket.gethostname()}" if shared
-                            else VERIFIED_NAME)
+        return self._per_host(VERIFIED_NAME, shared)
+
+    def direct_readers_path(self, shared: bool) -> Path:
+        return self._per_host(DIRECT_READERS_NAME, shared)
+
+    def _per_host(self, name: str, shared: bool) -> Path:
+        return self.root / (f"{name}.{socket.gethostname()}" if shared else name)
 
     def lock(self, exclusive: bool = True) -> int:
         """Take the volume's lock (held for the process's life): one user per volume, or

@@ -31,11 +31,13 @@ against the pool's capacity.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
@@ -96,6 +98,16 @@ class Prefetcher:
         self._unopened: OrderedDict[int, tuple[int, float]] = OrderedDict()  # blob -> bytes, when
         self._direct_readers = 0.0  # share of recent read opens that were O_DIRECT
         self._looked_up_at = 0.0  # the last lookup of a stored chunk (monotonic)
+
+    def load_direct_readers(self, path: Path) -> None:
+        """Start from the share of O_DIRECT readers the last mount saw: the first lookups
+        after a remount come before any open tells, and reading a verified blob ahead of
+        an O_DIRECT reader reads it twice."""
+        with contextlib.suppress(OSError, ValueError):
+            self._direct_readers = min(1.0, max(0.0, float(path.read_text())))
+
+    def save_direct_readers(self, path: Path) -> None:
+        path.write_text(f"{self._direct_readers:.3f}\n")
 
     # -- on the request path ---------------------------------------------------------------
 
