@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KvfsMount, daemon_pid, is_mounted, run_mount, wait_dead
+from conftest import KvfsMount, daemon_pid, is_mounted, run_mount, stats, wait_dead, wait_for
 from sglang_hicache import SGLANG_DIR
 from sglang_hicache import run_worker as run_sglang
 from vllm_tier import VLLM_DIR
@@ -76,16 +76,18 @@ def keeper_pid(mountpoint: Path) -> int:
 
 def loop_while(kvfs: KvfsMount, client: str, op: str, fault: Any) -> list[dict[str, Any]]:
     """The client's own code stores UNITS units, then stores or loads them in a loop in a
-    process of its own while `fault()` runs (after two seconds); the loop's passes. Then, in
+    process of its own while `fault()` runs (a second into the loop); the loop's passes. Then, in
     another process, every unit loads exact: nothing the loop did left a broken file."""
     root = kvfs.mountpoint / client
     run = CLIENTS[client][1]
     assert run("store", root, UNITS, seed=3)["failed"] == []
     reports: list[dict[str, Any]] = []
+    opened = opens(kvfs)
     loop = threading.Thread(target=lambda: reports.append(
-        run(op, root, UNITS, seed=3, seconds=8)))
+        run(op, root, UNITS, seed=3, seconds=10)))
     loop.start()
-    time.sleep(2)
+    assert wait_for(lambda: opens(kvfs) > opened + UNITS, 30), "the loop started"
+    time.sleep(1)
     fault()
     loop.join()
     passes = reports[0]["passes"]
@@ -95,6 +97,13 @@ def loop_while(kvfs: KvfsMount, client: str, op: str, fault: Any) -> list[dict[s
     after = run("load", root, UNITS, seed=3)
     assert (after["hits"], after["failed"], after["mismatched"]) == (UNITS, [], [])
     return passes
+
+
+def opens(kvfs: KvfsMount) -> int:
+    """Opens the mount served so far: a client's loop has started once they grow."""
+    shown = stats(kvfs.mountpoint)
+    return sum(shown[key] for key in ("opens_passthrough", "opens_daemon",
+                                      "write_opens_passthrough", "write_opens_daemon"))
 
 
 def kill_and_mount_again(kvfs: KvfsMount, *also: int) -> None:
