@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from kvfs.fuse.operations import fuse_error
+from kvfs.observe.stats import Stats
 
 MiB = 1 << 20
 KVFS = Path(sys.executable).parent / "kvfs"
@@ -74,3 +79,18 @@ def test_full_metadata_map_gives_enospc_and_recovers(make_mount) -> None:
     assert len(os.listdir(root)) == len(created) - len(created) // 2 + 1
     kvfs.unmount()
     assert fsck_is_clean(kvfs.data)
+
+
+def test_a_write_the_volume_refuses_is_logged_by_its_size(caplog) -> None:
+    """A daemon-served write that the full volume refuses is logged and answered ENOSPC;
+    the log record names the data by its length: a record per failed write holding its
+    megabytes would fill the log (on that same volume) and the disk behind it."""
+    ops = SimpleNamespace(stats=Stats())
+    with caplog.at_level(logging.WARNING):
+        answer = fuse_error(ops, "write", (7, 0, b"x" * MiB),  # type: ignore[arg-type]
+                            OSError(errno.ENOSPC, "No space left on device"))
+    assert answer.errno == errno.ENOSPC
+    assert ops.stats.volume_errors == 1
+    [record] = caplog.records
+    assert "write(7, 0, '<1048576 bytes>')" in record.getMessage()
+    assert len(record.getMessage()) < 200

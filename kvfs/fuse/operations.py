@@ -77,6 +77,14 @@ WIDE_DIRECTORY_SUBDIRS = 512
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
+LOGGED_BYTES = 255  # a longer argument is a write's data (a name is at most 255 bytes)
+
+
+def logged_args(args: tuple) -> tuple:
+    """A request's first arguments as its log record shows them: data by its length (a
+    failed write must not put its megabytes into the log, on the volume that failed it)."""
+    return tuple(f"<{len(arg)} bytes>" if isinstance(arg, bytes | bytearray | memoryview)
+                 and len(arg) > LOGGED_BYTES else arg for arg in args[:3])
 
 
 def fuse_error(ops: KvfsOperations, request: str, args: tuple, error: Exception) -> FUSEError:
@@ -88,10 +96,10 @@ def fuse_error(ops: KvfsOperations, request: str, args: tuple, error: Exception)
         return FUSEError(error.errno)
     if isinstance(error, OSError):
         ops.stats.volume_errors += 1
-        log.warning("%s%r: volume error: %s", request, args[:3], error)
+        log.warning("%s%r: volume error: %s", request, logged_args(args), error)
         return FUSEError(error.errno if error.errno in VOLUME_ERRNOS else errno.EIO)
     ops.stats.handler_errors += 1
-    log.error("%s%r failed", request, args[:3], exc_info=error)
+    log.error("%s%r failed", request, logged_args(args), exc_info=error)
     return FUSEError(errno.EIO)
 
 
