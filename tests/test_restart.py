@@ -138,6 +138,19 @@ def test_vllm_loads_fail_while_a_dead_mount_waits_then_hit_again(make_mount) -> 
     assert broken(passes), "the kill went unseen"
 
 
+def test_a_file_the_dead_daemon_opened_closes_without_an_error(make_mount) -> None:
+    """The kernel releases a handle the dead daemon handed out to the daemon that took the
+    mount over, which answers it as gone (not an unexpected error, counted and logged)."""
+    kvfs = make_mount("--capacity", "1G")
+    (kvfs.mountpoint / "kept").write_bytes(b"kept")
+    fd = os.open(kvfs.mountpoint / "kept", os.O_RDONLY)
+    kill_and_mount_again(kvfs)
+    os.close(fd)
+    assert wait_for(lambda: "release" in stats(kvfs.mountpoint)["requests"], 10)
+    assert stats(kvfs.mountpoint)["handler_errors"] == 0
+    assert (kvfs.mountpoint / "kept").read_bytes() == b"kept"
+
+
 def test_mount_over_a_dead_kvfs_mount_clears_it(make_mount) -> None:
     kvfs = make_mount()
     (kvfs.mountpoint / "kept").write_bytes(b"committed before the kill")

@@ -419,7 +419,10 @@ class FileTable:
         return self._served(state, handle)
 
     async def release(self, fh: int) -> None:
-        handle = self.state.handles.pop(fh)
+        # (a handle an earlier daemon of the connection opened, which the kernel releases
+        # after a takeover, is gone with that daemon: ENOTCONN, as its other calls get)
+        handle = self.state.handle(fh)
+        del self.state.handles[fh]
         try:
             if handle.writable:  # (a reader has nothing to commit)
                 await self.writer.flush(handle, closing=False)
