@@ -93,10 +93,12 @@ DEAD_CONNECTION = (errno.ENOTCONN, errno.ECONNABORTED)  # a FUSE mount whose dae
 
 def check_mountpoint(path: Path) -> None:
     entry = find_mount(path)
+    cleared = False
     if entry is not None:
         if entry.fstype != "fuse.kvfs" or connected(path):
             raise MountError(f"mountpoint {path} is already mounted")
         clear_dead_mount(path)
+        cleared = True
     try:
         if not path.is_dir():
             raise MountError(f"mountpoint {path} is not a directory" if path.exists()
@@ -106,8 +108,14 @@ def check_mountpoint(path: Path) -> None:
             raise MountError(f"mountpoint {path} is a dead mount of another file system; "
                              f"run: fusermount3 -u {path}") from None
         raise MountError(f"mountpoint {path}: {error.strerror}") from None
-    if any(path.iterdir()):
+    if not any(path.iterdir()):
+        return
+    if not cleared:
         raise MountError(f"mountpoint {path} is not empty")
+    # Engines that went on storing while no kvfs served the path wrote into the bare
+    # directory: refusing it would keep them writing there, on the disk underneath.
+    log.warning("mountpoint %s: what engines wrote into it while no kvfs served it is hidden "
+                "under the new mount (on the disk underneath)", path)
 
 
 def connected(path: Path) -> bool:

@@ -15,6 +15,7 @@ import errno
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -165,6 +166,30 @@ def test_mount_over_a_dead_kvfs_mount_clears_it(make_mount) -> None:
     kvfs.pid = daemon_pid(kvfs.data)
     assert "cleared the dead kvfs mount" in result.stderr
     assert (kvfs.mountpoint / "kept").read_bytes() == b"committed before the kill"
+
+
+def test_mount_after_a_dead_mount_goes_over_what_engines_wrote_beneath(make_mount,
+                                                                      tmp_path: Path) -> None:
+    """Engines that store while no kvfs serves the path (its dead mount cleared, the new one
+    not yet there) write into the bare directory: the mount command mounts over it rather
+    than refuse, which would leave them writing on the disk underneath."""
+    kvfs = make_mount()
+    beneath = tmp_path / "beneath"  # the mountpoint's parent without the mounts on it
+    beneath.mkdir()
+    subprocess.run(["mount", "--bind", str(kvfs.mountpoint.parent), str(beneath)], check=True)
+    try:
+        os.kill(keeper_pid(kvfs.mountpoint), signal.SIGKILL)
+        os.kill(kvfs.pid, signal.SIGKILL)
+        assert wait_dead(kvfs.pid)
+        (beneath / kvfs.mountpoint.name / "vllm").mkdir()  # an engine's store, meanwhile
+        result = run_mount(kvfs.mountpoint, kvfs.data)
+        assert result.returncode == 0, result.stderr
+        kvfs.pid = daemon_pid(kvfs.data)
+        assert "hidden under the new mount" in (kvfs.data / "kvfs.log").read_text() + \
+            result.stderr
+        assert os.listdir(kvfs.mountpoint) == [], "the new mount shows the pool, not the disk"
+    finally:
+        subprocess.run(["umount", str(beneath)], check=False)
 
 
 def test_without_a_next_daemon_waiting_requests_fail_after_the_wait(make_mount) -> None:

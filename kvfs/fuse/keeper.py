@@ -72,8 +72,10 @@ class KeeperLink:
         self._send(b"I" + request)
 
     def leaving(self) -> None:
-        """This daemon unmounts: the keeper has nothing left to keep."""
-        self._send(b"B")
+        """This daemon unmounts: the keeper has nothing left to keep (where the unmount
+        came from outside, the keeper has seen the connection end and is gone already)."""
+        with contextlib.suppress(OSError):
+            self.connection.send(b"B")
         self.connection.close()
 
     def _send(self, message: bytes) -> None:
