@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,15 @@ def mounted(tmp_path: Path) -> Iterator[Mounted]:
             daemon.wait()
 
 
-def test_the_installed_pyfuse3_is_the_fork() -> None:
-    assert "+kvfs." in binding.require()
+def test_the_installed_pyfuse3_is_the_fork_kvfs_asks_for() -> None:
+    """The fork's version (vendor/pyfuse3/pyproject.toml) is the one kvfs's pyproject.toml
+    pins and the one installed: a fork changed without its pin fails set-up."""
+    repo = Path(__file__).resolve().parent.parent
+    fork = tomllib.loads((repo / "vendor" / "pyfuse3" / "pyproject.toml").read_text())
+    kvfs = tomllib.loads((repo / "pyproject.toml").read_text())
+    version = fork["project"]["version"]
+    assert f"pyfuse3=={version}" in kvfs["project"]["dependencies"]
+    assert binding.require() == version
 
 
 def test_init_grants_passthrough_and_starts_the_reply_thread(mounted: Mounted) -> None:
