@@ -21,6 +21,7 @@ from local_redis import LocalRedis
 
 from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
+from kvfs.fuse.keeper import socket_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,6 +196,17 @@ def assert_only_spares_staged(data: Path, *live: KvfsMount) -> None:
     assert wait_for(lambda: not leftover(), 10), leftover()
 
 
+def keeper_pid(mountpoint: Path) -> int:
+    wanted = str(socket_path(mountpoint.resolve()))
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and wanted in (proc / "cmdline").read_text():
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no keeper of {mountpoint}")
+
+
 def wait_dead(pid: int, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -230,9 +242,13 @@ class KvfsMount:
         self.mount(*extra)
 
     def kill9(self) -> None:
-        """Crash the daemon, then clear the dead mount as an operator would."""
+        """Crash the daemon and its keeper (kvfs/fuse/keeper.py: alone, the daemon's death
+        makes requests wait for a successor), then clear the dead mount as an operator
+        would."""
+        keeper = keeper_pid(self.mountpoint)
+        os.kill(keeper, signal.SIGKILL)
         os.kill(self.pid, signal.SIGKILL)
-        assert wait_dead(self.pid)
+        assert wait_dead(self.pid) and wait_dead(keeper)
         self.pid = 0
         subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
 

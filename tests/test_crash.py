@@ -29,6 +29,7 @@ from conftest import (
     blob_files,
     drop_caches,
     is_mounted,
+    keeper_pid,
     kvfs_cli,
     pid_alive,
     run_mount,
@@ -360,10 +361,13 @@ def test_kill9_under_load_recovers_consistently(
         group.start("reader")
         assert wait_for(lambda: group.busy(WRITERS), timeout=30), "workers did not start"  # noqa: B023
         time.sleep(run_for)
-        # Kill the daemon, then the workers, and only then clear the dead mount: a worker
-        # still running after the unmount would write into the bare mountpoint directory.
+        # Kill the daemon (and its keeper, which would hold the workers' requests for a
+        # successor), then the workers, and only then clear the dead mount: a worker still
+        # running after the unmount would write into the bare mountpoint directory.
+        keeper = keeper_pid(root)
+        os.kill(keeper, signal.SIGKILL)
         os.kill(volume.pid, signal.SIGKILL)
-        assert wait_dead(volume.pid)
+        assert wait_dead(volume.pid) and wait_dead(keeper)
         group.kill()
         volume.pid = 0
         subprocess.run(["fusermount3", "-u", "-z", str(root)], check=True)

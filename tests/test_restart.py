@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KvfsMount, daemon_pid, is_mounted, run_mount, stats, wait_dead, wait_for
+from conftest import (
+    KvfsMount,
+    daemon_pid,
+    is_mounted,
+    keeper_pid,
+    run_mount,
+    stats,
+    wait_dead,
+    wait_for,
+)
 from sglang_hicache import SGLANG_DIR
 from sglang_hicache import run_worker as run_sglang
 from vllm_tier import VLLM_DIR
@@ -62,17 +71,6 @@ def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
             "broken_until": failed[-1]["at"] if failed else None,
             "errors": sorted({found.group(0) for p in failed
                               if (found := ERRNO.search(p["message"]))})}
-
-
-def keeper_pid(mountpoint: Path) -> int:
-    wanted = str(socket_path(mountpoint.resolve()))
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and wanted in (proc / "cmdline").read_text():
-                return int(proc.name)
-        except OSError:
-            continue
-    raise AssertionError(f"no keeper of {mountpoint}")
 
 
 def loop_while(kvfs: KvfsMount, client: str, op: str, fault: Any) -> list[dict[str, Any]]:
