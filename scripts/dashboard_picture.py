@@ -117,13 +117,19 @@ def vllm_round(root: Path) -> Callable[[int], dict[str, int]]:
         first = max(0, number - VLLM_ROUNDS_LOADED + 1) * VLLM_BLOCKS
         loaded = run_vllm("load", root, (number + 1) * VLLM_BLOCKS - first,
                                       first=first)
-        if stored["failed"] or loaded["failed"] or loaded["mismatched"]:
-            raise RuntimeError(f"vLLM: {len(stored['failed'])} stores and "
-                               f"{len(loaded['failed'])} loads failed, "
-                               f"{len(loaded['mismatched'])} blocks loaded wrong")
+        check_round("vLLM", "blocks", stored, loaded)
         return {"stored blocks": VLLM_BLOCKS, "loaded blocks": loaded["loaded"],
                 "missed blocks": len(loaded["missing"])}
     return one_round
+
+
+def check_round(client: str, units: str, stored: dict[str, Any],
+                loaded: dict[str, Any]) -> None:
+    """A client's round whose stores or loads failed, or loaded wrong bytes, ends the run."""
+    if stored["failed"] or loaded["failed"] or loaded["mismatched"]:
+        raise RuntimeError(f"{client}: {len(stored['failed'])} stores and "
+                           f"{len(loaded['failed'])} loads failed, "
+                           f"{len(loaded['mismatched'])} {units} loaded wrong")
 
 
 def sglang_round(root: Path) -> Callable[[int], dict[str, int]]:
@@ -132,10 +138,7 @@ def sglang_round(root: Path) -> Callable[[int], dict[str, int]]:
         first = number * SGLANG_PAGES
         stored = run_sglang("store", root, SGLANG_PAGES, first=first)
         loaded = run_sglang("load", root, SGLANG_PAGES // 2, first=first)
-        if stored["failed"] or loaded["failed"] or loaded["mismatched"]:
-            raise RuntimeError(f"SGLang: {len(stored['failed'])} stores and "
-                               f"{len(loaded['failed'])} loads failed, "
-                               f"{len(loaded['mismatched'])} pages loaded wrong")
+        check_round("SGLang", "pages", stored, loaded)
         return {"stored pages": SGLANG_PAGES, "loaded pages": loaded["loaded"],
                 "missed pages": len(loaded["missing"])}
     return one_round
