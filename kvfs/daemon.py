@@ -228,7 +228,8 @@ class Daemon:
                           self.kernel, self.stats, on_removed=self.notifier.names_removed)
         writer = Writer(state, retirer, self.meta, self.data, self.space, self.session,
                         self.stats, verifier, hasher, spares, self.helper,
-                        take_blob_ids, on_attributes_changed=self.notifier.attributes_changed)
+                        take_blob_ids, on_attributes_changed=self.notifier.attributes_changed,
+                        on_committed=self.notifier.committed)
         content = Contents(self.meta, self.data, self.session, verifier, hasher, retirer)
         prefetcher = Prefetcher(self.meta, self.data, verifier, self.session, self.stats,
                                 config.prefetch_bytes)

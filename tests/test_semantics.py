@@ -96,10 +96,10 @@ def written_in_two(path: Path, flags: int, between) -> int:
 @pytest.mark.parametrize("flags", [os.O_TRUNC, os.O_DIRECT, os.O_APPEND])
 def test_a_closed_files_attributes_are_the_committed_ones_at_once(kvfs, look: str,
                                                                    flags: int) -> None:
-    """A commit sends the kernel no invalidation (each write marks the size, times and
-    blocks stale in its cache, and a file being written is described uncached): right after
-    the close, stat must show what a kernel that holds nothing of the file reads, whoever
-    looked at the file while it was written and however."""
+    """A commit sends the writer's kernel inode no invalidation (each write marks the size,
+    times and blocks stale in its cache, and a file being written is described uncached):
+    right after the close, stat must show what a kernel that holds nothing of the file
+    reads, whoever looked at the file while it was written and however."""
     directory = kvfs.mountpoint / "attributes"
     directory.mkdir()
     path = directory / "chunk"
@@ -123,6 +123,33 @@ def test_a_closed_files_attributes_are_the_committed_ones_at_once(kvfs, look: st
     Path("/proc/sys/vm/drop_caches").write_text("2\n")  # the kernel forgets the inodes
     assert [seen(name) for name in names] == after_close
     assert stats(kvfs.mountpoint)["requests"]["lookup"]["count"] > looked_up  # (asked anew)
+
+
+@pytest.mark.parametrize("name", ["same", "hard link"])
+def test_a_commit_beside_a_reader_shows_in_every_name_once_it_closes(kvfs, name: str) -> None:
+    """A writer beside a reader gets a kernel inode of its own (kvfs/files/kernel_inodes.py);
+    the reader's inode holds the reader's size until it closes, and then every name of the
+    file, whichever kernel inode it leads to, has the committed size, as on ext4."""
+    first = kvfs.mountpoint / "chunk"
+    first.write_bytes(b"x" * 100)
+    second = first
+    if name == "hard link":
+        second = kvfs.mountpoint / "link"
+        os.link(first, second)
+    assert second.stat().st_size == 100  # (both names' attributes cached)
+    reader = os.open(first, os.O_RDONLY)
+    try:
+        writer = os.open(second, os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(writer, b"y" * 1897)
+        finally:
+            os.close(writer)
+        assert os.pread(reader, 200, 0) == b"x" * 100  # (it reads the version it opened)
+        os.stat(first)  # (the reader's kernel inode asked while it is open)
+    finally:
+        os.close(reader)
+    assert {first.stat().st_size, second.stat().st_size} == {1897}
+    assert first.read_bytes() == second.read_bytes() == b"y" * 1897
 
 
 def test_new_file_written_then_appended_after_seek_end(kvfs, tmp_path: Path) -> None:

@@ -71,8 +71,8 @@ class LoopConnection:
         if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
             reply = await self.request(b"EVAL", source, len(keys), *keys, *args)
         if isinstance(reply, hiredis.ReplyError) and str(reply).startswith(NOT_SERVING):
-            if str(reply).startswith("READONLY"):
-                self.close()  # a master that became a replica (failover): connect anew
+            if str(reply).startswith("READONLY") and self._pipe is not None:
+                self._drop(self._pipe)  # a master that became a replica (failover): anew
             raise LoopConnectionError(f"{self.host}:{self.port}: {reply}")
         if isinstance(reply, hiredis.ReplyError):
             raise reply
@@ -176,8 +176,8 @@ class _Pipe:
             turn = self._sent
             self._sent += 1
             await _send_all(self.sock, request)
-        while self._answered != turn:
-            if self._broken:
+        while self._answered != turn or self._broken:
+            if self._broken:  # (also after an earlier request was cancelled mid-reply)
                 raise LoopConnectionError("the connection broke before the reply")
             await self._turns.park()
         try:
@@ -191,7 +191,10 @@ class _Pipe:
             try:
                 data = self.sock.recv(RECEIVE_BYTES)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.sock)
+                try:
+                    await trio.lowlevel.wait_readable(self.sock)
+                except trio.ClosedResourceError:  # (`close` by another task)
+                    raise LoopConnectionError("the connection was closed") from None
                 continue
             if not data:
                 raise LoopConnectionError("connection closed by the server")
@@ -199,7 +202,10 @@ class _Pipe:
         return reply
 
     def close(self) -> None:
+        """(On the loop.) A task waiting to read is woken first: the socket's descriptor
+        number may be the next connection's at once."""
         self._broken = True
+        trio.lowlevel.notify_closing(self.sock)
         self.sock.close()
         self._turns.unpark_all()
 
@@ -215,4 +221,7 @@ async def _send_all(sock: socket.socket, data: bytes) -> None:
         try:
             view = view[sock.send(view):]
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            try:
+                await trio.lowlevel.wait_writable(sock)
+            except trio.ClosedResourceError:  # (`_Pipe.close` by another task)
+                raise LoopConnectionError("the connection was closed") from None

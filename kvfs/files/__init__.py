@@ -509,6 +509,9 @@ class FileTable:
     def has_writer(self, ino: int) -> bool:
         return self.state.has_writer(ino)
 
+    def serves_older_version(self, ino: int) -> bool:
+        return self.state.serves_older_version(ino)
+
     def handle(self, fh: int) -> Handle:
         return self.state.handle(fh)
 

@@ -163,6 +163,13 @@ class FileState:
     def is_open(self, ino: int) -> bool:
         return ino in self.inodes
 
+    def serves_older_version(self, ino: int) -> bool:
+        """Whether readers of a version before the current one have `ino` open: their
+        kernel inode's size is theirs (`attributes`) until they close."""
+        state = self.inodes.get(ino)
+        return state is not None and any(handle.version != state.inode.version
+                                         for handle in state.handles)
+
     def has_writer(self, ino: int) -> bool:
         state = self.inodes.get(ino)
         return state is not None and any(handle.writable for handle in state.handles)

@@ -48,10 +48,11 @@ class Writer:
                  space: Space, session: Session, stats: Stats, verifier: Verifier,
                  hasher: LateHasher, spares: SpareFiles, helper: VolumeHelper | None,
                  take_blob_ids: Callable[[int], Awaitable[range]],
-                 on_attributes_changed: Callable[[int], None]) -> None:
+                 on_attributes_changed: Callable[[int], None],
+                 on_committed: Callable[[int, int | None], Awaitable[None]]) -> None:
         """`helper`: makes spares and publishes (kvfs/data/volume_helper.py), if alive;
         `take_blob_ids`: that many fresh blob ids; `on_attributes_changed`: tell the kernel
-        (setuid cleared)."""
+        (setuid cleared); `on_committed`: tell the file's other kernel inodes of a commit."""
         self.state = state
         self.retirer = retirer
         self.meta = meta
@@ -66,6 +67,7 @@ class Writer:
         self.helper = helper
         self.publish_later = helper is not None  # closes leave every publishing to it
         self.on_attributes_changed = on_attributes_changed
+        self.on_committed = on_committed
         self._take_blob_ids = take_blob_ids
         self._blob_ids: range = range(0)
         # Blobs a close committed and left to the publisher (the volume helper's, or on a
@@ -284,6 +286,7 @@ class Writer:
         if previous is not None:
             await self.session.release(previous.blob_id)
         self.state.inodes[handle.ino].inode = inode
+        await self.on_committed(handle.ino, handle.nodeid)
         self.stats.commits += 1
         self.stats.bytes_committed += blob.size
         self.stats.clients.stored(inode.name, blob.size)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import pyfuse3
+import trio
 
 from kvfs.files.kernel_inodes import KernelInodes
 from kvfs.meta import Removed
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 
 CHANGED_NAMES_KEPT = 4096  # other hosts' recent name changes remembered for racing lookups
 CHANGED_NAME_SECONDS = 10.0  # ... for this long (longer than any lookup takes)
+# A reply that waits for its notification waits no longer than this (the kernel may hold the
+# notification on an inode whose own request waits in the loop).
+NOTIFY_WAIT = 1.0
 
 
 class KernelNotifier:
@@ -49,6 +53,16 @@ class KernelNotifier:
 
     def attributes_changed(self, ino: int) -> None:
         self._invalidate_inode(ino, attr_only=True)
+
+    async def committed(self, ino: int, seen_by: int | None) -> None:
+        """A commit through kernel inode `seen_by` changed `ino`'s size: the file's other
+        kernel inodes (a reader's, or a hard link's name looked up beside one) still hold
+        the old one, and are told before the close that committed returns."""
+        others = [nodeid for nodeid in self.kernel.all_of(ino) if nodeid != seen_by]
+        if others:
+            with trio.move_on_after(NOTIFY_WAIT):
+                await trio.to_thread.run_sync(_invalidate_attributes, others,
+                                              abandon_on_cancel=True)
 
     def _invalidate_inode(self, ino: int, attr_only: bool) -> None:
         with self._queued_lock:
@@ -105,3 +119,9 @@ class KernelNotifier:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+def _invalidate_attributes(nodeids: list[int]) -> None:
+    for nodeid in nodeids:
+        with contextlib.suppress(OSError):  # (a kernel inode the kernel dropped)
+            pyfuse3.invalidate_inode(nodeid, attr_only=True)

@@ -254,9 +254,12 @@ class KvfsOperations(pyfuse3.Operations):
     def _entry(self, inode: Inode) -> EntryAttributes:
         """Attributes of a file being written are not cached: its size and times change at
         the close that commits, and a stat right after that close must see them. Nor are
-        those of the control files (`.kvfs/stats` grows and shrinks as counters change).
-        The entry names the file's current kernel inode (kvfs/files/kernel_inodes.py)."""
-        uncached = self.files.has_writer(inode.ino) or self.control.owns(inode.ino)
+        those of a file that readers of an older version hold (their kernel inode has their
+        size until they close) or of the control files (`.kvfs/stats` grows and shrinks as
+        counters change). The entry names the file's current kernel inode
+        (kvfs/files/kernel_inodes.py)."""
+        uncached = (self.files.has_writer(inode.ino) or self.control.owns(inode.ino)
+                    or self.files.serves_older_version(inode.ino))
         entry = entry_attributes(inode, 0.0 if uncached else self.caching.entry)
         nodeid = self.kernel.nodeid(inode.ino)
         if nodeid != inode.ino:
