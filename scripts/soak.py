@@ -15,7 +15,8 @@ version, total length, digest of the body), then a body derived from the name an
 Rounds, in turn until the time is up:
 
 - crash: writer processes rewrite their files (in place, or through `<name>.tmp` and a rename)
-  while readers check everything they read; at a random moment the daemon gets kill -9, then
+  while readers check everything they read; at a random moment the daemon and its keeper
+  (which would hand the connection to the next daemon) get kill -9, then
   `fusermount3 -u`, a remount (every third round `kvfs fsck --repair` first) and a check: every
   visible file is one whole, exact version consistent with the writers' journals, nothing is
   left in staging/, and the blob bytes on the volume, the bytes visible through the mount and
@@ -68,6 +69,7 @@ from kvfs.data.volume import Volume
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the throwaway Redis lives with the tests
 from local_redis import LocalRedis  # noqa: E402
+from conftest import keeper_pid  # noqa: E402
 
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
@@ -533,6 +535,8 @@ class Soak:
         self.pid = 0
 
     def crash_daemon(self) -> None:
+        """A crash of the host's kvfs: the daemon and its keeper, so that the mount dies."""
+        os.kill(keeper_pid(self.mountpoint), signal.SIGKILL)
         os.kill(self.pid, signal.SIGKILL)
         if not wait_dead(self.pid, 20):
             raise Abort(f"daemon {self.pid} survived SIGKILL")

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from conftest import (
     KvfsMount,
+    assert_counters_exact,
     daemon_pid,
     is_mounted,
     keeper_pid,
@@ -125,6 +126,7 @@ def test_engines_wait_through_a_restart_without_an_error(make_mount, client: str
         assert set(summary(passes)["errors"]) <= IN_FLIGHT_STORE_ERRORS, summary(passes)
     assert summary(passes)["longest_pass_s"] >= RESTART_DELAY, "the engine waited"
     assert "took over" in (kvfs.data / "kvfs.log").read_text()
+    assert_counters_exact(kvfs.mountpoint, kvfs.data)  # (what the dead daemon left, counted)
 
 
 @pytest.mark.skipif(not VLLM_DIR.is_dir(), reason=f"{VLLM_DIR} is missing: set-up could "
