@@ -274,8 +274,11 @@ class Space:
     def _evictable(self, inode: Inode, pinned: set[int]) -> bool:
         if inode.ino in pinned:
             return False
-        if self.session.shared and self.meta.pool.holders(inode.blob):
-            return False  # open on another host
+        if self.session.shared and any(holder != self.session.id
+                                       for holder in self.meta.pool.holders(inode.blob)):
+            # Open on another host. This host's opens are `open_inodes`; a hold of its own
+            # beyond them is a release still on its way (Redis unreachable meanwhile).
+            return False
         parents = [inode.parent] if inode.nlink <= 1 else [
             parent for parent, _ in self.meta.namespace.names(inode.ino)]
         for ino in parents:
