@@ -67,9 +67,9 @@ from kvfs.cli.fsck import recount
 from kvfs.data.volume import Volume
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the throwaway Redis lives with the tests
-from local_redis import LocalRedis  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))  # the throwaway Redis and the keeper lookup live there
 from conftest import keeper_pid  # noqa: E402
+from local_redis import LocalRedis  # noqa: E402
 
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
