@@ -66,6 +66,7 @@ class Txn(Protocol):
 class Engine(Protocol):
     shared: bool  # whether other hosts use the same metadata at the same time
     conflicts: int  # changes run again because another change got in their way
+    back_at: float  # when it last answered again after an outage (time.monotonic; 0: never)
 
     def snapshot(self, cached: bool = False) -> AbstractContextManager[Txn]:
         """Reads of one moment (a shared engine: of Redis now). `cached`: names and

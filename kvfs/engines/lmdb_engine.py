@@ -233,6 +233,7 @@ class LmdbEngine:
 
     shared = False
     conflicts = 0  # one writer at a time: changes never conflict
+    back_at = 0.0  # (a local file: never away)
 
     def __init__(self, path: Path, families: tuple[str, ...], map_size: int,
                  readonly: bool = False) -> None:

@@ -153,6 +153,7 @@ class RedisEngine:
             raise ValueError(f"not a redis://HOST:PORT/DB or {SENTINEL_SCHEME}://HOST:PORT"
                              f"[,HOST:PORT...]/MASTER[/DB] address: {url}")
         self._down_until = 0.0
+        self.back_at = 0.0
         self.conflicts = 0
         self.timeouts = 0  # round trips Redis did not answer within the deadline
         self.unreachable = 0  # round trips refused: Redis down, or just found down
@@ -219,6 +220,7 @@ class RedisEngine:
         with self._lock:
             if self._down_until:
                 log.warning("metadata engine %s reachable again", self.url)
+                self.back_at = time.monotonic()
             self._down_until = 0.0
 
     # -- the pool's identity --------------------------------------------------------------

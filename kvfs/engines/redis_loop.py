@@ -176,8 +176,8 @@ class _Pipe:
             turn = self._sent
             self._sent += 1
             await _send_all(self.sock, request)
-        while self._answered != turn or self._broken:
-            if self._broken:  # (also after an earlier request was cancelled mid-reply)
+        while self._answered != turn:
+            if self._broken:
                 raise LoopConnectionError("the connection broke before the reply")
             await self._turns.park()
         try:

@@ -30,7 +30,7 @@ import trio
 from kvfs.meta import ROOT_INO, Inode, MetaStore, Removed, Usage
 from kvfs.meta.calls import MetaCalls, off_loop
 from kvfs.observe.stats import Stats
-from kvfs.pool.sessions import Session
+from kvfs.pool.sessions import RELEASE_RETRY_SECONDS, Session
 from kvfs.records import FsError, fail
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ RECENCY_FLUSH_SECONDS = 1.0
 USES_PER_CHANGE = 64  # uses recorded in one metadata change (on the embedded engine: on the loop)
 SLACK_SECONDS = 0.1
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
+# Holds that hosts could not release while the metadata was away are released again within
+# this long of its return (kvfs/pool/sessions.py); until then they keep their files.
+RELEASES_SETTLE_SECONDS = 2 * RELEASE_RETRY_SECONDS
 # Room held for a writer whose writes kvfs does not see (passthrough) until its close: twice
 # the largest file of the last commits, within these bounds (before any commit, FIRST) ...
 KERNEL_WRITER_RESERVE_MAX = 256 << 20
@@ -145,11 +148,23 @@ class Space:
         if growth > capacity:
             raise fail(errno.ENOSPC)
         if used + growth > capacity:
-            if not await self.evict_to(capacity - growth):
+            if not await self._evict_for(capacity - growth):
                 raise fail(errno.ENOSPC)
             used = await self.used()
         self._slack = capacity - used - growth
         self._slack_until = time.monotonic() + SLACK_SECONDS
+
+    async def _evict_for(self, target: int) -> bool:
+        """`evict_to(target)`; if that fails just after the metadata came back from an
+        outage, once more when the holds released meanwhile have been recorded."""
+        if await self.evict_to(target):
+            return True
+        back_at = self.meta.engine.back_at
+        wait = back_at + RELEASES_SETTLE_SECONDS - time.monotonic()
+        if not back_at or wait <= 0:
+            return False
+        await trio.sleep(wait)
+        return await self.evict_to(target)
 
     async def reserve_for_kernel_writer(self) -> int:
         """Room for a passthrough writer, reserved (and counted as staged) until it closes;
