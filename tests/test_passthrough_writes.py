@@ -380,8 +380,8 @@ def test_small_pools_and_writers_beside_readers_keep_daemon_writes(make_mount,
 
 
 def test_many_open_writers_evict_nothing_for_room_they_do_not_use(roomy: KvfsMount) -> None:
-    """A kernel writer reserves room it may never use; 64 writers held open at once (before
-    this rule, 256 MiB each: twice an 8 GiB pool) must not evict the pool's files for it. Once
+    """A kernel writer reserves room it may never use; 64 writers held open at once (at 256
+    MiB each, twice an 8 GiB pool) must not evict the pool's files for it. Once
     files have been committed, writers reserve twice the largest recent size and all of a
     second round of 64 pass through."""
     root = roomy.mountpoint

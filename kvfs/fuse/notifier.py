@@ -61,7 +61,7 @@ class KernelNotifier:
         others = [nodeid for nodeid in self.kernel.all_of(ino) if nodeid != seen_by]
         if others:
             with trio.move_on_after(NOTIFY_WAIT):
-                await trio.to_thread.run_sync(_invalidate_attributes, others,
+                await trio.to_thread.run_sync(_invalidate, others, True,
                                               abandon_on_cancel=True)
 
     def _invalidate_inode(self, ino: int, attr_only: bool) -> None:
@@ -74,9 +74,7 @@ class KernelNotifier:
     def _send_inode_invalidation(self, ino: int) -> None:
         with self._queued_lock:
             attr_only = self._queued_inodes.pop(ino)
-        for nodeid in self.kernel.all_of(ino):
-            with contextlib.suppress(OSError):  # (a kernel inode the kernel dropped)
-                pyfuse3.invalidate_inode(nodeid, attr_only=attr_only)
+        _invalidate(self.kernel.all_of(ino), attr_only)
 
     def names_removed(self, removed: Removed) -> None:
         for parent, name in removed.names:
@@ -121,7 +119,7 @@ class KernelNotifier:
         self._thread.join(timeout=5)
 
 
-def _invalidate_attributes(nodeids: list[int]) -> None:
+def _invalidate(nodeids: list[int], attr_only: bool) -> None:
     for nodeid in nodeids:
         with contextlib.suppress(OSError):  # (a kernel inode the kernel dropped)
-            pyfuse3.invalidate_inode(nodeid, attr_only=True)
+            pyfuse3.invalidate_inode(nodeid, attr_only=attr_only)
