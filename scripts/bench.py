@@ -64,6 +64,8 @@ from bench_io import (
     warm_files,
     write_files,
 )
+from lmcache_mp import LMCACHE_DIR
+from lmcache_mp import run_worker as run_lmcache_mp
 from rich.console import Console
 from rich.table import Table
 from sglang_hicache import SGLANG_DIR
@@ -83,7 +85,7 @@ GROUPS = {"cold-read": "cold_read", "warm-read": "warm_and_hot_read",
           "concurrent-readers": "concurrent_readers", "daemon-memory": "daemon_memory",
           "write": "write", "lmcache-pattern": "lmcache_pattern", "fio": "fio",
           "lmcache-engines": "lmcache_engines", "lmcache-local-disk": "lmcache_local_disk",
-          "vllm": "vllm_tier", "sglang": "sglang_hicache",
+          "lmcache-mp": "lmcache_mp", "vllm": "vllm_tier", "sglang": "sglang_hicache",
           "small-files": "small_file_commits", "metadata": "metadata_and_scaling",
           "cold-prompt": "cold_prompt"}
 READS_DATA_SET = {"cold-read", "warm-read", "concurrent-readers", "daemon-memory",
@@ -99,6 +101,8 @@ VLLM_LOOKUP = "first lookups on a fresh mount (os.path.exists)"
 # its run-to-run swing on these VMs (plain 1.2-2.7 GB/s) outweighs three pairs.
 VLLM_STORE_PAIRS = 8
 VLLM_STORES = "2 MiB blocks, O_DIRECT: store, back to back"
+MP_SECTION = "LMCache 0.5.7 MP server's fs L2 adapter (its own code, separate processes)"
+MP_CHUNK_MIB = 32  # LMCache's chunk: 256 tokens of Llama-3.1-8B, fp16, TP 1
 SGLANG_SECTION = "SGLang HiCache file backend (its own HiCacheFile, separate processes)"
 SGLANG_PAGE_MIB = 8  # a page of Llama-3.1-8B bf16, 64 tokens, TP 1
 TREE_FILES_EACH = 4  # files per directory of the walked tree
@@ -662,6 +666,38 @@ class Bench:
                         target, cpu_used / (3 * self.plan.data_bytes / 2**30),
                         higher_is_better=False)
 
+    def lmcache_mp(self) -> None:
+        """LMCache MP mode's `fs` L2 adapter (tests/lmcache_mp.py): one process stores the data
+        set as one store task of 32 MiB chunks; then, on a fresh mount, another looks them up
+        and loads them cold (page cache dropped) and again (warm)."""
+        with self.stage(MP_SECTION):
+            if not LMCACHE_DIR.is_dir():
+                self.note(f"{LMCACHE_DIR} is missing (scripts/setup.sh unpacks it): LMCache MP "
+                          f"benchmarks skipped")
+                return
+            chunks = self.plan.data_bytes // (MP_CHUNK_MIB * MIB)
+            for run in range(self.plan.runs):
+                for target in in_turn(run):
+                    root = self.roots[target] / f"lmcache-mp-{run}"
+                    self.warm_up_writes(target)
+                    reports = {"store": run_lmcache_mp("store", root, chunks, seed=run)}
+                    if target == "kvfs":
+                        self.kvfs.remount()
+                    drop_caches()
+                    reports["cold load"] = run_lmcache_mp("load", root, chunks, seed=run)
+                    reports["warm load"] = run_lmcache_mp("load", root, chunks, seed=run)
+                    shutil.rmtree(root)
+                    for op, report in reports.items():
+                        problems = {key: report[key] for key in ("errors", "missing", "failed",
+                                                                  "mixed") if report.get(key)}
+                        if op == "store" and set(report["outcome"].values()) != {"stored"}:
+                            problems["outcome"] = report["outcome"]
+                        if problems:
+                            self.note(f"LMCache MP run {run + 1} on {target}, {op}: {problems}")
+                        self.record(f"{MP_CHUNK_MIB} MiB chunks: {op}", "GB/s", target,
+                                    self.plan.data_bytes / report["seconds"] / 1e9)
+                self.progress(f"LMCache MP: run {run + 1} done")
+
     def sglang_hicache(self) -> None:
         """SGLang's HiCache `file` backend (tests/sglang_hicache.py): one process stores the
         data set in 8 MiB pages; then, on a fresh mount, another looks them up and loads them
@@ -862,6 +898,8 @@ RATIO_TARGETS = (
        minimum) for config in VLLM_CONFIGS
       for op, minimum in (("store", 0.85), ("cold load", 0.9), ("warm load", 0.9))),
     (f"vLLM tier {VLLM_STORES}", VLLM_SECTION, VLLM_STORES, 0.85),
+    *((f"LMCache MP {op}", MP_SECTION, f"{MP_CHUNK_MIB} MiB chunks: {op}", 0.9)
+      for op in ("store", "cold load", "warm load")),
     *((f"SGLang {op}", SGLANG_SECTION, f"{SGLANG_PAGE_MIB} MiB pages: {op}", 0.9)
       for op in ("store", "cold load", "warm load")),
 )

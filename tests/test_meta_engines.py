@@ -12,10 +12,7 @@ hosts of one pool run on Redis only.
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
-import os
-import signal
 import stat
 import struct
 import subprocess
@@ -34,11 +31,10 @@ import xxhash
 from conftest import wait_for
 
 from kvfs.cli.fsck import recount
-from kvfs.data.volume import Volume, VolumeError
-from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode, encode
+from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode
 from kvfs.engines.interface import Engine, RoundTripNeeded, Txn
 from kvfs.engines.lmdb_engine import LmdbEngine
-from kvfs.engines.lmdb_env import APPLIED_KEY, layer_of, open_environment, write_layer
+from kvfs.engines.lmdb_env import APPLIED_KEY
 from kvfs.engines.redis_engine import NotCached, RecordCache, RedisEngine, record_key
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
@@ -1365,149 +1361,16 @@ def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
     assert_every_answered_change_back(tmp_path)
 
 
-STOPPED_WRITER = """
-import os, signal, sys, time
-from pathlib import Path
-from kvfs.engines.lmdb_engine import LmdbEngine
-from kvfs.meta import DEFAULT_MAP_SIZE, FAMILIES
-engine = LmdbEngine(Path(sys.argv[1]), FAMILIES, DEFAULT_MAP_SIZE)
-for _ in range(250):
-    engine.allocate(b"test", 1)
-engine.sync()
-assert engine.writer is not None
-os.kill(engine.writer.pid, signal.SIGSTOP)
-for _ in range(250):
-    engine.allocate(b"test", 1)
-time.sleep(0.2)  # the committer has sent a group to the stopped writer, and waits
-print(engine.writer.pid, flush=True)
-os.kill(os.getpid(), 9)
-"""
-
-
-def running(pid: int) -> bool:
-    """Whether a process runs (neither gone nor a zombie: its parent may be gone too)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_an_open_waits_for_a_killed_daemons_lmdb_writer(tmp_path: Path) -> None:
-    """A daemon killed while its LMDB writer process holds a group: the next open waits
-    until that writer has applied the group and exited, then replays the rest from the log.
-    Each change lands once: the counter the changes add to is exact (applying a group twice,
-    or the writer's group over the replay, would count some twice)."""
-    result = subprocess.run([sys.executable, "-c", STOPPED_WRITER, str(tmp_path)],
-                            cwd=Path(__file__).parent.parent, capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr
-    writer_pid = int(result.stdout)
-    opened: list[LmdbEngine] = []
-    try:
-        opening = threading.Thread(target=lambda: opened.append(
-            LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE)))
-        opening.start()
-        opening.join(timeout=0.5)
-        assert opening.is_alive() and running(writer_pid)  # the open waits for it
-        os.kill(writer_pid, signal.SIGCONT)
-        opening.join(timeout=30)
-        assert not opening.is_alive() and not running(writer_pid)
-        [engine] = opened
-        with engine.snapshot() as txn:
-            assert txn.count("counters", b"test") == 500
-        assert engine.sync(timeout=30)
-    finally:
-        if running(writer_pid):
-            os.kill(writer_pid, signal.SIGKILL)
-        for engine in opened:
-            engine.close()
-    env = lmdb.open(str(tmp_path), readonly=True, max_dbs=32, lock=False)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(b"test", db=env.open_db(b"counters", txn=txn, create=False))
-        assert raw is not None and int.from_bytes(raw, "big", signed=True) == 500
-    finally:
-        env.close()
-
-
-def test_a_group_sent_again_is_applied_once(tmp_path: Path) -> None:
-    """A writer process that ends between its commit and its reply gets its group again from
-    the next one: LMDB, which records the last change it holds, applies it once."""
-    env, dbs = open_environment(tmp_path, FAMILIES, DEFAULT_MAP_SIZE)
-    try:
-        group = layer_of([encode({"counters": {b"test": [KEEP, 5]}}),
-                          encode({"counters": {b"test": [KEEP, 2]}})], 7)
-        write_layer(env, dbs, group)
-        write_layer(env, dbs, group)
-        with env.begin() as txn:
-            assert txn.get(b"test", db=dbs["counters"]) == (7).to_bytes(8, "big")
-            assert txn.get(APPLIED_KEY, db=dbs["settings"]) == b"7"
-    finally:
-        env.close()
-
-
-def test_an_lmdb_writer_that_never_ends_fails_the_open_with_a_clear_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A previous daemon's LMDB writer that keeps the writer lock (stopped, not dead): the
-    open gives up after WRITER_WAIT_SECONDS with an error that names the lock, and opens once
-    the lock is free."""
-    volume = Volume(tmp_path)
-    volume.open_metadata().close()
-    monkeypatch.setattr("kvfs.engines.lmdb_writer.WRITER_WAIT_SECONDS", 0.3)
-    holder = os.open(volume.meta_dir / "writer.lock", os.O_RDWR)
-    try:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        with pytest.raises(VolumeError, match="writer.lock is locked"):
-            volume.open_metadata()
-    finally:
-        os.close(holder)
-    volume.open_metadata().close()
-
-
-def test_the_lmdb_writer_process_ending_loses_nothing(tmp_path: Path) -> None:
-    """The LMDB writer process killed while changes stream: the next group starts a new one
-    and every answered change reaches LMDB once (after a reopen, which reads LMDB alone, the
-    names and counters are exactly those of the changes)."""
+def test_the_committer_moves_every_answered_change_into_lmdb(tmp_path: Path) -> None:
+    """Changes answered from memory and the log reach LMDB in the committer thread: after a
+    close, LMDB holds them all, and a reopen finds the names and counters they made."""
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
-        assert meta.engine.writer is not None
-        first = meta.engine.writer.pid
-        assert first != os.getpid()
-        for number in range(400):
-            meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
-            if number == 200:
-                os.kill(first, signal.SIGKILL)
-        assert meta.engine.sync(timeout=30)
-        assert meta.engine.writer.pid != first
-    finally:
-        meta.close()
-    assert not running(first)
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
-    try:
-        names = {name for name, _, _ in meta.namespace.readdir_page(ROOT_INO, 0, 1000)}
-        assert names == {b"f%d" % n for n in range(400)}
-        assert meta.recency.usage().files == 400
-        check_store(meta)
-    finally:
-        meta.close()
-
-
-def test_without_an_lmdb_writer_process_changes_land_all_the_same(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A daemon that may not start an interpreter again (a user who cannot reach it) moves
-    its changes into LMDB itself, in its committer thread."""
-    def refused(self: object) -> None:
-        raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr("kvfs.engines.lmdb_writer.LmdbWriter._start", refused)
-    meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
-    try:
-        assert meta.engine.writer is None
         for number in range(100):
             meta.namespace.make(ROOT_INO, b"f%d" % number, stat.S_IFREG | 0o644, 0, 0)
         assert meta.engine.sync(timeout=30) and meta.engine.commit_failures == 0
     finally:
         meta.close()
-    assert "changes move into LMDB in this process" in caplog.text
     assert lmdb_applied(tmp_path) > 100
     meta = MetaStore(LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE))
     try:
@@ -1616,7 +1479,7 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores' temporary names, made and renamed away before their commit group reaches
     LMDB, and a name LMDB does hold, removed, made again and removed again in one group: the
-    group goes to the LMDB writer process as one transaction, and after a reopen, which reads
+    group goes to the LMDB in one transaction, and after a reopen, which reads
     LMDB alone, the names are exactly those left."""
     # one group for them all
     monkeypatch.setattr("kvfs.engines.lmdb_engine.COMMIT_GATHER_SECONDS", 0.5)
@@ -1633,7 +1496,7 @@ def test_names_made_and_moved_within_one_commit_group(tmp_path: Path,
             meta.content.commit_content(made.ino, new_blob(meta, made.ino, 4096))
             meta.namespace.rename(ROOT_INO, b"f%d.tmp" % number, ROOT_INO, b"f%d" % number, 0)
         group = meta.engine._active  # the group about to reach LMDB, whole
-        assert len(group.payloads) == group.last_seq - applied >= 12  # (and id batches)
+        assert meta.engine._applied() == applied and group.last_seq - applied >= 12
         assert meta.engine.sync()
         assert meta.engine._applied() == group.last_seq
     finally:

@@ -157,9 +157,6 @@ class Volume:
             except lmdb.Error as error:
                 raise VolumeError(f"metadata in {self.meta_dir} cannot be opened ({error}); "
                                   f"check it with: kvfs fsck --data {self.root}") from None
-            except RuntimeError as error:  # (a previous daemon's LMDB writer that never ends)
-                raise VolumeError(f"metadata in {self.meta_dir} cannot be opened: {error}") \
-                    from None
         if (self.meta_dir / "data.mdb").exists():
             raise VolumeError(f"{self.root} keeps its metadata in {self.meta_dir} (one host): "
                               f"mount it without --meta")

@@ -10,10 +10,9 @@ its writes go to the change log (kvfs/engines/changelog.py, a copy into a mapped
 into the newest layer, and the caller returns: the change is visible to every later read and
 survives the daemon's death. The committer thread moves the layers into LMDB, one synced
 transaction per layer (group commit: everything answered during one sync goes into the next),
-run by the LMDB writer process (kvfs/engines/lmdb_writer.py, off this process's GIL), and the log
-segments LMDB now holds are deleted. A power loss undoes at most the changes answered since
-the last of those syncs (COMMIT_GATHER_SECONDS) and never breaks the database; `sync()`
-waits for them.
+and the log segments LMDB now holds are deleted. A power loss undoes at most the changes
+answered since the last of those syncs (COMMIT_GATHER_SECONDS) and never breaks the database;
+`sync()` waits for them.
 
 Reads see one moment: a snapshot takes, under the engine's lock, an LMDB read transaction and
 the layers not yet in it, and reads each key from the newest layer that has it, else LMDB.
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +38,6 @@ import lmdb
 from kvfs.engines.changelog import KEEP, ChangeLog, Pending, Value, Writes, encode
 from kvfs.engines.interface import Txn, get_through
 from kvfs.engines.lmdb_env import APPLIED_KEY, COUNT, Layer, open_environment, write_layer
-from kvfs.engines.lmdb_writer import LmdbWriter, WriterError, hold_writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -257,25 +254,11 @@ class LmdbEngine:
         self.commit_failures = 0
         self._log = ChangeLog(path)
         self._committer: threading.Thread | None = None
-        self.writer: LmdbWriter | None = None
-        if readonly:
-            self._seq = self._applied()
-            self._replay(readonly)
-        else:
-            writer_lock = hold_writer_lock(path)  # a killed daemon's writer finishes first
-            try:
-                self._seq = self._applied()
-                self._replay(readonly)
-            finally:
-                os.close(writer_lock)
+        self._seq = self._applied()
+        self._replay(readonly)
         self._measure_map()
         if not readonly:
             self._log.start(self._seq + 1)
-            try:
-                self.writer = LmdbWriter(path, map_size, families)
-            except OSError as error:  # (an interpreter this user may not run again)
-                log.warning("the LMDB writer process cannot start (%s): changes move into "
-                            "LMDB in this process", error)
             self._committer = threading.Thread(target=self._commit_layers, name="kvfs-commit",
                                                daemon=True)
             self._committer.start()
@@ -335,7 +318,7 @@ class LmdbEngine:
                 seq = self._seq + 1
                 payload = encode(writes)
                 self._log.append(seq, payload)
-                self._active.add(seq, writes, payload)
+                self._active.add(seq, writes, len(payload))
                 self._seq = seq
                 if self._committer_idle or self._active.size >= GATHER_BYTES:
                     self._moved.notify_all()
@@ -405,16 +388,13 @@ class LmdbEngine:
                 self._stopping = True
                 self._moved.notify_all()
             self._committer.join()
-            if self.writer is not None:
-                self.writer.close()
             if self._applied() == self._seq:
                 self._log.drop_all()
             self._log.close()
         self.env.close()
 
     def _commit_layers(self) -> None:
-        """The committer thread: each layer into LMDB, in one synced transaction of the LMDB
-        writer process (kvfs/engines/lmdb_writer.py), waited for without the GIL."""
+        """The committer thread: each layer into LMDB, in one synced transaction."""
         while True:
             with self._moved:
                 while not self._active.families and not self._stopping:
@@ -429,12 +409,9 @@ class LmdbEngine:
                 self._active = Layer()
             while True:
                 try:
-                    if self.writer is None:
-                        write_layer(self.env, self._dbs, layer)
-                    else:
-                        self.writer.write(layer.last_seq, layer.payloads)
+                    write_layer(self.env, self._dbs, layer)
                     break
-                except (WriterError, lmdb.Error) as error:
+                except lmdb.Error as error:
                     # (answered already: the layer stays in memory and in the log)
                     self.commit_failures += 1
                     log.error("moving changes into LMDB failed (%s); trying again", error)

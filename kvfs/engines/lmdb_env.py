@@ -1,21 +1,17 @@
-"""The embedded engine's LMDB environment, as both processes that write it see it.
-
-How the environment is opened (one named database per family), a layer of changes not yet in
-it, and how a layer goes into it in one synced transaction, marked with the last change it
-holds: what the embedded engine (kvfs/engines/lmdb_engine.py) and its LMDB writer process
-(kvfs/engines/lmdb_writer.py) share, so that the writer process loads nothing of the engine.
+"""The embedded engine's LMDB environment (kvfs/engines/lmdb_engine.py): how it is opened (one
+named database per family), a layer of changes not yet in it, and how a layer goes into it in
+one synced transaction, marked with the last change it holds.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
 
-from kvfs.engines.changelog import KEEP, Value, Writes, decode
+from kvfs.engines.changelog import KEEP, Value, Writes
 
 APPLIED_KEY = b"changes applied"  # settings: the last change LMDB holds (read from LMDB only)
 COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
@@ -29,12 +25,9 @@ class Layer:
     families: dict[str, dict[bytes, list[tuple[int, Value, int]]]] = field(default_factory=dict)
     last_seq: int = 0
     size: int = 0  # bytes of the changes' encodings (what they may take in the map)
-    payloads: list[bytes] = field(default_factory=list)  # the changes' encodings, in order
 
-    def add(self, seq: int, writes: Writes, payload: bytes = b"") -> None:
-        self.size += len(payload)
-        if payload:
-            self.payloads.append(payload)
+    def add(self, seq: int, writes: Writes, size: int = 0) -> None:
+        self.size += size
         for family, keys in writes.items():
             versions = self.families.setdefault(family, {})
             for key, (value, delta) in keys.items():
@@ -57,19 +50,10 @@ class Layer:
         return writes
 
 
-def layer_of(payloads: Iterable[bytes], last_seq: int) -> Layer:
-    """One layer of encoded changes, through `last_seq` (kvfs/engines/lmdb_writer.py)."""
-    layer = Layer()
-    for payload in payloads:
-        layer.add(last_seq, decode(payload))
-    return layer
-
-
 def open_environment(path: Path, families: tuple[str, ...], map_size: int,
                      readonly: bool = False
                      ) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
-    """The engine's LMDB environment and its databases, one per family (the daemon and its
-    LMDB writer open it alike)."""
+    """The engine's LMDB environment and its databases, one per family."""
     # metasync=False: a power loss may undo the last commits but never breaks the database.
     env = lmdb.open(str(path), map_size=map_size, max_dbs=32, metasync=False,
                     readahead=False, readonly=readonly, lock=True)
@@ -82,13 +66,8 @@ def open_environment(path: Path, families: tuple[str, ...], map_size: int,
 
 
 def write_layer(env: lmdb.Environment, dbs: dict[str, lmdb._Database], layer: Layer) -> None:
-    """A layer into LMDB in one synced transaction, with the last seq it holds; not again
-    if LMDB holds it already (a writer process that ended between its commit and its reply:
-    the layer is sent once more)."""
+    """A layer into LMDB in one synced transaction, with the last seq it holds."""
     with env.begin(write=True) as txn:
-        applied = txn.get(APPLIED_KEY, db=dbs["settings"])
-        if applied is not None and int(applied) >= layer.last_seq:
-            return
         _apply(txn, dbs, layer.folded())
         txn.put(APPLIED_KEY, str(layer.last_seq).encode(), db=dbs["settings"])
 
