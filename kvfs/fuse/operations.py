@@ -77,7 +77,6 @@ WIDE_DIRECTORY_SUBDIRS = 512
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
-CREATE_RACES = 16  # a create that finds the name taken, and gone when it opens it, tries again
 LOGGED_BYTES = 255  # a longer argument is a write's data (a name is at most 255 bytes)
 
 
@@ -457,35 +456,25 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        for _ in range(CREATE_RACES):
-            try:
-                inode = await self.meta_call.change(self.meta.namespace.make, parent_inode,
-                                                    name, stat.S_IFREG | stat.S_IMODE(mode),
-                                                    ctx.uid, ctx.gid)
-            except FsError as error:
-                if error.errno != errno.EEXIST or flags & os.O_EXCL:
-                    raise
-                # The kernel thought the name free (a miss it cached before another host, or
-                # another process, made it): without O_EXCL the open opens what is there,
-                # and makes the name again where it went meanwhile (renamed away, removed),
-                # as ext4 would: an O_CREAT open never fails for want of the name.
-                existing = await self._open_existing(parent_inode, name, flags, ctx)
-                if existing is None:
-                    continue
-                return existing
-            opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx),
-                                           made=inode, nodeid=inode.ino)
-            return opened.file_info(), entry_attributes(inode, self.caching.entry)
-        log.warning("create of %r lost %d races with other makers and removers of the name",
-                    name, CREATE_RACES)
-        raise fail(errno.EAGAIN)
+        try:
+            inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
+                                                stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
+                                                ctx.gid)
+        except FsError as error:
+            if error.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            # The kernel thought the name free (a miss it cached before another host, or
+            # another process, made it): without O_EXCL the open opens what is there.
+            return await self._open_existing(parent_inode, name, flags, ctx)
+        opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
+                                       nodeid=inode.ino)
+        return opened.file_info(), entry_attributes(inode, self.caching.entry)
 
     async def _open_existing(self, parent_inode: int, name: bytes, flags: int,
-                             ctx: RequestContext) -> tuple[FileInfo, EntryAttributes] | None:
-        """Open what `name` names; None where nothing does (any more)."""
+                             ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         inode = await self.meta_call(self.meta.namespace.lookup, parent_inode, name)
-        if inode is None:
-            return None
+        if inode is None:  # removed again meanwhile
+            raise fail(errno.ENOENT)
         if inode.is_dir:
             raise fail(errno.EISDIR)
         if not stat.S_ISREG(inode.mode):
