@@ -670,63 +670,59 @@ class Bench:
         """LMCache MP mode's `fs` L2 adapter (tests/lmcache_mp.py): one process stores the data
         set as one store task of 32 MiB chunks; then, on a fresh mount, another looks them up
         and loads them cold (page cache dropped) and again (warm)."""
+        def problems(op: str, report: dict[str, Any]) -> dict[str, Any]:
+            found = {key: report[key] for key in ("errors", "missing", "failed", "mixed")
+                     if report.get(key)}
+            if op == "store" and set(report["outcome"].values()) != {"stored"}:
+                found["outcome"] = report["outcome"]
+            return found
         with self.stage(MP_SECTION):
             if not LMCACHE_DIR.is_dir():
                 self.note(f"{LMCACHE_DIR} is missing (scripts/setup.sh unpacks it): LMCache MP "
                           f"benchmarks skipped")
                 return
-            chunks = self.plan.data_bytes // (MP_CHUNK_MIB * MIB)
-            for run in range(self.plan.runs):
-                for target in in_turn(run):
-                    root = self.roots[target] / f"lmcache-mp-{run}"
-                    self.warm_up_writes(target)
-                    reports = {"store": run_lmcache_mp("store", root, chunks, seed=run)}
-                    if target == "kvfs":
-                        self.kvfs.remount()
-                    drop_caches()
-                    reports["cold load"] = run_lmcache_mp("load", root, chunks, seed=run)
-                    reports["warm load"] = run_lmcache_mp("load", root, chunks, seed=run)
-                    shutil.rmtree(root)
-                    for op, report in reports.items():
-                        problems = {key: report[key] for key in ("errors", "missing", "failed",
-                                                                  "mixed") if report.get(key)}
-                        if op == "store" and set(report["outcome"].values()) != {"stored"}:
-                            problems["outcome"] = report["outcome"]
-                        if problems:
-                            self.note(f"LMCache MP run {run + 1} on {target}, {op}: {problems}")
-                        self.record(f"{MP_CHUNK_MIB} MiB chunks: {op}", "GB/s", target,
-                                    self.plan.data_bytes / report["seconds"] / 1e9)
-                self.progress(f"LMCache MP: run {run + 1} done")
+            self.store_then_loads("LMCache MP", "lmcache-mp", run_lmcache_mp, MP_CHUNK_MIB,
+                                  f"{MP_CHUNK_MIB} MiB chunks", problems)
 
     def sglang_hicache(self) -> None:
         """SGLang's HiCache `file` backend (tests/sglang_hicache.py): one process stores the
         data set in 8 MiB pages; then, on a fresh mount, another looks them up and loads them
         cold (page cache dropped) and again (warm)."""
+        def problems(op: str, report: dict[str, Any]) -> dict[str, Any]:
+            return {key: len(report[key]) for key in ("missing", "failed", "vanished",
+                                                      "mismatched") if report.get(key)}
         with self.stage(SGLANG_SECTION):
             if not SGLANG_DIR.is_dir():
                 self.note(f"{SGLANG_DIR} is missing (scripts/setup.sh fetches it): SGLang "
                           f"benchmarks skipped")
                 return
-            pages = self.plan.data_bytes // (SGLANG_PAGE_MIB * MIB)
-            for run in range(self.plan.runs):
-                for target in in_turn(run):
-                    root = self.roots[target] / f"sglang-{run}"
-                    self.warm_up_writes(target)
-                    reports = {"store": run_sglang("store", root, pages, seed=run)}
-                    if target == "kvfs":
-                        self.kvfs.remount()
-                    drop_caches()
-                    reports["cold load"] = run_sglang("load", root, pages, seed=run)
-                    reports["warm load"] = run_sglang("load", root, pages, seed=run)
-                    shutil.rmtree(root)
-                    for op, report in reports.items():
-                        problems = {key: len(report[key]) for key in (
-                            "missing", "failed", "vanished", "mismatched") if report.get(key)}
-                        if problems:
-                            self.note(f"SGLang run {run + 1} on {target}, {op}: {problems}")
-                        self.record(f"{SGLANG_PAGE_MIB} MiB pages: {op}", "GB/s", target,
-                                    self.plan.data_bytes / report["seconds"] / 1e9)
-                self.progress(f"SGLang: run {run + 1} done")
+            self.store_then_loads("SGLang", "sglang", run_sglang, SGLANG_PAGE_MIB,
+                                  f"{SGLANG_PAGE_MIB} MiB pages", problems)
+
+    def store_then_loads(self, client: str, folder: str,
+                         run_client: Callable[..., dict[str, Any]], unit_mib: int, label: str,
+                         problems: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+        """A client driver's store of the data set in `unit_mib` units; then, on a fresh mount,
+        its cold load (page cache dropped) and its warm load; each GB/s recorded as
+        "`label`: op", what went wrong noted."""
+        units = self.plan.data_bytes // (unit_mib * MIB)
+        for run in range(self.plan.runs):
+            for target in in_turn(run):
+                root = self.roots[target] / f"{folder}-{run}"
+                self.warm_up_writes(target)
+                reports = {"store": run_client("store", root, units, seed=run)}
+                if target == "kvfs":
+                    self.kvfs.remount()
+                drop_caches()
+                reports["cold load"] = run_client("load", root, units, seed=run)
+                reports["warm load"] = run_client("load", root, units, seed=run)
+                shutil.rmtree(root)
+                for op, report in reports.items():
+                    if found := problems(op, report):
+                        self.note(f"{client} run {run + 1} on {target}, {op}: {found}")
+                    self.record(f"{label}: {op}", "GB/s", target,
+                                self.plan.data_bytes / report["seconds"] / 1e9)
+            self.progress(f"{client}: run {run + 1} done")
 
     def small_file_commits(self) -> None:
         with self.stage("small-file create and commit"):
