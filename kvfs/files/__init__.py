@@ -429,6 +429,10 @@ class FileTable:
         finally:
             await self._close_handle(handle)
 
+    async def abandon(self, fh: int) -> None:
+        """Let go of an open whose reply the kernel never got: nothing it staged commits."""
+        await self._close_handle(self.state.handles.pop(fh))
+
     async def _close_handle(self, handle: Handle) -> None:
         """Let go of what a handle holds (its flush is done, or it never opened)."""
         self.writer.discard_staged(handle)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
+import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.caller import Caller
@@ -77,6 +78,7 @@ WIDE_DIRECTORY_SUBDIRS = 512
 READDIR_PAGE = 256  # at most this many entries are read from the metadata store at once
 READDIR_SLACK = 8  # entries read beyond what filled the last reply (names differ in length)
 VOLUME_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENOMEM}
+CREATE_RACES = 16  # a create that finds the name taken, and gone when it opens it, tries again
 LOGGED_BYTES = 255  # a longer argument is a write's data (a name is at most 255 bytes)
 
 
@@ -456,25 +458,36 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        try:
-            inode = await self.meta_call.change(self.meta.namespace.make, parent_inode, name,
-                                                stat.S_IFREG | stat.S_IMODE(mode), ctx.uid,
-                                                ctx.gid)
-        except FsError as error:
-            if error.errno != errno.EEXIST or flags & os.O_EXCL:
-                raise
-            # The kernel thought the name free (a miss it cached before another host, or
-            # another process, made it): without O_EXCL the open opens what is there.
-            return await self._open_existing(parent_inode, name, flags, ctx)
-        opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx), made=inode,
-                                       nodeid=inode.ino)
-        return opened.file_info(), entry_attributes(inode, self.caching.entry)
+        for _ in range(CREATE_RACES):
+            try:
+                inode = await self.meta_call.change(self.meta.namespace.make, parent_inode,
+                                                    name, stat.S_IFREG | stat.S_IMODE(mode),
+                                                    ctx.uid, ctx.gid)
+            except FsError as error:
+                if error.errno != errno.EEXIST or flags & os.O_EXCL:
+                    raise
+                # The kernel thought the name free (a miss it cached before another host, or
+                # another process, made it): without O_EXCL the open opens what is there,
+                # and makes the name again where it went meanwhile (renamed away, removed),
+                # as ext4 would: an O_CREAT open never fails for want of the name.
+                existing = await self._open_existing(parent_inode, name, flags, ctx)
+                if existing is None:
+                    continue
+                return existing
+            opened = await self.files.open(inode.ino, flags & ~os.O_TRUNC, caller(ctx),
+                                           made=inode, nodeid=inode.ino)
+            return opened.file_info(), entry_attributes(inode, self.caching.entry)
+        log.warning("create of %r lost %d races with other makers and removers of the name",
+                    name, CREATE_RACES)
+        raise fail(errno.EAGAIN)
 
     async def _open_existing(self, parent_inode: int, name: bytes, flags: int,
-                             ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+                             ctx: RequestContext) -> tuple[FileInfo, EntryAttributes] | None:
+        """Open what `name` names; None where nothing does any more (the open, which the
+        kernel never learns of then, is let go)."""
         inode = await self.meta_call(self.meta.namespace.lookup, parent_inode, name)
-        if inode is None:  # removed again meanwhile
-            raise fail(errno.ENOENT)
+        if inode is None:
+            return None
         if inode.is_dir:
             raise fail(errno.EISDIR)
         if not stat.S_ISREG(inode.mode):
@@ -486,8 +499,20 @@ class KvfsOperations(pyfuse3.Operations):
         if self.files.has_writer(inode.ino):
             self.kernel.renew(inode.ino)  # (as a lookup does: `_looked_up`)
         nodeid = self.kernel.nodeid(inode.ino)
-        opened = await self.files.open(inode.ino, flags, caller(ctx), nodeid=nodeid)
-        attributes = await self.files.attributes(inode.ino, nodeid=nodeid)
+        try:
+            opened = await self.files.open(inode.ino, flags, caller(ctx), nodeid=nodeid)
+        except FsError as error:
+            if error.errno == errno.ENOENT:
+                return None
+            raise
+        try:
+            attributes = await self.files.attributes(inode.ino, nodeid=nodeid)
+        except BaseException as error:
+            with trio.CancelScope(shield=True):  # (else the open holds its blob for good)
+                await self.files.abandon(opened.fh)
+            if isinstance(error, FsError) and error.errno == errno.ENOENT:
+                return None
+            raise
         return opened.file_info(), self._told(self._entry(attributes))
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
