@@ -8,11 +8,13 @@ import errno
 import logging
 import logging.handlers
 import os
+import queue
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +143,10 @@ def clear_dead_mount(path: Path) -> None:
     log.warning("cleared the dead kvfs mount at %s (its daemon is gone)", path)
 
 
-def setup_logging(config: MountConfig) -> None:
+@contextlib.contextmanager
+def logging_set_up(config: MountConfig) -> Iterator[None]:
+    """Log records go through a queue to a thread that writes them: a log on a volume whose
+    writes block (frozen, its path lost) holds up that thread, never the request loop."""
     level = logging.DEBUG if config.debug else logging.INFO
     if config.foreground:
         handler: logging.Handler = logging.StreamHandler(sys.stderr)
@@ -152,7 +157,16 @@ def setup_logging(config: MountConfig) -> None:
     # The pid tells apart the daemons of a shared pool that log into one DATA/kvfs.log.
     handler.setFormatter(logging.Formatter(
         "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    enqueue = logging.handlers.QueueHandler(records)
+    enqueue.setFormatter(logging.Formatter("%(message)s"))  # (the writer's formats the line)
+    logging.basicConfig(level=level, handlers=[enqueue], force=True)
+    writer = logging.handlers.QueueListener(records, handler)
+    writer.start()
+    try:
+        yield
+    finally:
+        writer.stop()  # (what was logged is written before the process ends)
 
 
 class Daemon:
@@ -413,8 +427,8 @@ def run(config: MountConfig) -> None:
     if config.foreground:
         if config.meta_url is None:
             Volume.record_pid(lock_fd)
-        setup_logging(config)
-        _serve(config, takeover)
+        with logging_set_up(config):
+            _serve(config, takeover)
         return
     read_end, write_end = os.pipe()
     child = os.fork()
@@ -433,16 +447,17 @@ def run(config: MountConfig) -> None:
         Volume.record_pid(lock_fd)
     code = 0
     try:
-        setup_logging(config)
-        _serve(config, takeover, ready_fd=write_end)
-    except VolumeError as error:
-        os.write(write_end, str(error).encode())
-        code = 1
-    except BaseException as error:
-        log.exception("kvfs daemon failed")
-        with contextlib.suppress(OSError):  # start-up failed: tell the waiting parent why
-            os.write(write_end, f"kvfs daemon failed: {error!r}".encode())
-        code = 1
+        with logging_set_up(config):
+            try:
+                _serve(config, takeover, ready_fd=write_end)
+            except VolumeError as error:
+                os.write(write_end, str(error).encode())
+                code = 1
+            except BaseException as error:
+                log.exception("kvfs daemon failed")
+                with contextlib.suppress(OSError):  # start-up failed: tell the parent why
+                    os.write(write_end, f"kvfs daemon failed: {error!r}".encode())
+                code = 1
     finally:
         os._exit(code)
 

@@ -262,6 +262,17 @@ class KvfsMount:
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def runtime_directory() -> Iterator[Path]:
+    """A kvfs runtime directory (change logs, lock tables, keepers' sockets) of this run's
+    own, for every process the tests start; removed at the end."""
+    path = Path(tempfile.mkdtemp(prefix="kvfs-run-"))
+    os.environ["KVFS_RUNTIME_DIR"] = str(path)
+    yield path
+    del os.environ["KVFS_RUNTIME_DIR"]
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def reachable() -> Iterator[Path]:
     """A directory other users can traverse (pytest's tmp dirs are root-only). Request it

@@ -34,7 +34,7 @@ from kvfs.cli.fsck import recount
 from kvfs.engines.changelog import _HEADER, KEEP, MAGIC, MAGIC_ENTRIES, ChangeLog, decode
 from kvfs.engines.interface import Engine, RoundTripNeeded, Txn
 from kvfs.engines.lmdb_engine import LmdbEngine
-from kvfs.engines.lmdb_env import APPLIED_KEY
+from kvfs.engines.lmdb_env import APPLIED_KEY, host_files
 from kvfs.engines.redis_engine import NotCached, RecordCache, RedisEngine, record_key
 from kvfs.meta import (
     DEFAULT_MAP_SIZE,
@@ -1270,7 +1270,12 @@ os.kill(os.getpid(), 9)  # answered, and no close: as a daemon killed at that mo
 
 
 def changes_in_log(path: Path) -> int:
-    return sum(1 for _ in ChangeLog(path).replay(0))
+    return sum(1 for _ in ChangeLog(host_files(path, readonly=True), path).replay(0))
+
+
+def log_segments(path: Path) -> list[Path]:
+    """The change log's segments of the environment at `path` (in the runtime directory)."""
+    return sorted(host_files(path, readonly=True).glob("changes-*.log"))
 
 
 def last_record(segment: bytes) -> tuple[int, int]:
@@ -1321,7 +1326,7 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
     kill_log_writer(tmp_path, 300)
     assert lmdb_applied(tmp_path) < changes_in_log(tmp_path)  # the last ones: only in the log
     assert_every_answered_change_back(tmp_path)
-    assert list(tmp_path.glob("changes-*.log")) == []  # a clean close leaves no log
+    assert log_segments(tmp_path) == []  # a clean close leaves no log
 
 
 def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
@@ -1346,7 +1351,7 @@ def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
     replays them like its own (the same log rewritten in that format gives the same store)."""
     kill_log_writer(tmp_path, 300)
     records = changes_in_log(tmp_path)
-    for segment in tmp_path.glob("changes-*.log"):
+    for segment in log_segments(tmp_path):
         data, rewritten, at = segment.read_bytes(), bytearray(), 0
         while at + _HEADER.size <= len(data):
             magic, seq, length, _ = _HEADER.unpack_from(data, at)
@@ -1428,7 +1433,7 @@ def test_replay_stops_at_a_torn_record(tmp_path: Path) -> None:
     """A log cut in the middle of a record (a power loss) gives back the whole records before
     it and nothing after: the changes that come back are a prefix of those answered."""
     kill_log_writer(tmp_path, 50)
-    (segment,) = tmp_path.glob("changes-*.log")
+    (segment,) = log_segments(tmp_path)
     records = changes_in_log(tmp_path)
     data = bytearray(segment.read_bytes())
     start, end = last_record(bytes(data))
@@ -1466,7 +1471,7 @@ def test_snapshots_see_one_moment_while_changes_move_into_lmdb(tmp_path: Path) -
     finally:
         engine.close()
     assert lmdb_applied(tmp_path) == 500  # all of them in LMDB, once
-    assert list(tmp_path.glob("changes-*.log")) == []
+    assert log_segments(tmp_path) == []
     engine = LmdbEngine(tmp_path, FAMILIES, DEFAULT_MAP_SIZE)
     try:
         with engine.snapshot() as txn:

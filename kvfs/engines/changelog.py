@@ -5,7 +5,9 @@ visible in memory and written here; the committer then moves changes into LMDB i
 groups. The log is what makes an answered change survive the daemon's death (its writes sit in
 the page cache, which outlives the process); a change in LMDB needs it no more.
 
-Records are copied into segment files `DIR/changes-<first seq, 16 hex>.log`, each allocated
+Records are copied into segment files `DIR/changes-<first seq, 16 hex>.log` (DIR: the host's
+runtime directory, kvfs/engines/lmdb_env.py; segments found in the volume's metadata
+directory, where a daemon kept them that could not make it, are replayed too), each allocated
 whole (SEGMENT_MAX, fallocate) and mapped shared: an append is a copy into the page cache,
 no system call (a write(2) per change would cost a good part of a create), and a full
 volume fails the segment's allocation, not a page fault. What follows the last record is
@@ -105,15 +107,17 @@ def _decode_entries(payload: bytes) -> Writes:
 
 
 class ChangeLog:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, volume_directory: Path) -> None:
         self.directory = directory
+        self._directories = list(dict.fromkeys((directory, volume_directory)))
         self._map: mmap.mmap | None = None  # the segment being written
         self._size = 0  # bytes of records in it
         self._segments: list[tuple[int, Path]] = []  # (first seq, path), oldest first
 
     def _listed(self) -> list[tuple[int, Path]]:
         found = []
-        for path in self.directory.glob(PREFIX + "*.log"):
+        for path in (path for directory in self._directories
+                     for path in directory.glob(PREFIX + "*.log")):
             try:
                 found.append((int(path.stem.removeprefix(PREFIX), 16), path))
             except ValueError:

@@ -1,20 +1,35 @@
 """The embedded engine's LMDB environment (kvfs/engines/lmdb_engine.py): how it is opened (one
 named database per family), a layer of changes not yet in it, and how a layer goes into it in
 one synced transaction, marked with the last change it holds.
+
+The environment's data file is on the volume; its lock table and the engine's change log are
+in the host's runtime directory, in memory (`host_files`): both are shared maps that the
+request loop writes, and a page of a shared map on the volume, written again after the
+volume's writeback, waits for the volume; a volume that stalls its writes (an array's
+failover, a frozen file system) would then hold every request. They outlive the daemon,
+not the host: a host that goes down loses the changes the committer had not put into LMDB
+yet, which its last groups' unsynced meta page may lose anyway (`metasync=False`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
 
+from kvfs import runtime_directory
 from kvfs.engines.changelog import KEEP, Value, Writes
+
+log = logging.getLogger(__name__)
 
 APPLIED_KEY = b"changes applied"  # settings: the last change LMDB holds (read from LMDB only)
 COUNT = struct.Struct(">q")  # counters: signed, big-endian (as the u64 of kvfs-2)
+LOCK_TABLE = "lock.mdb"
 
 
 @dataclass
@@ -48,6 +63,47 @@ class Layer:
                     delta += added
                 folded[key] = [value, delta]
         return writes
+
+
+def host_files(path: Path, readonly: bool) -> Path:
+    """The directory of the change log and LMDB's lock table of the environment at `path`
+    (LOCK_TABLE there links to it). A writer places them in the runtime directory, or on the
+    volume where that cannot be made (logged); a reader finds them where the link says."""
+    lock = path / LOCK_TABLE
+    if not readonly:
+        _link_lock_table(lock, _runtime_files(path))
+    if not lock.is_symlink():
+        return path
+    directory = Path(os.readlink(lock)).parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # (gone with a reboot)
+    return directory
+
+
+def _runtime_files(path: Path) -> Path | None:
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    directory = runtime_directory() / "volumes" / digest
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as error:
+        log.warning("%s cannot be made (%s): the change log and LMDB's lock table stay on "
+                    "the volume, whose stalls then hold every request", directory, error)
+        return None
+    return directory
+
+
+def _link_lock_table(lock: Path, directory: Path | None) -> None:
+    """LOCK_TABLE on the volume a link to `directory`'s, or a file of its own (None)."""
+    target = None if directory is None else directory / LOCK_TABLE
+    if lock.is_symlink() and target is not None and Path(os.readlink(lock)) == target:
+        return
+    if target is None:
+        if lock.is_symlink():
+            lock.unlink()
+        return
+    link = lock.with_name(LOCK_TABLE + ".link")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    link.replace(lock)
 
 
 def open_environment(path: Path, families: tuple[str, ...], map_size: int,

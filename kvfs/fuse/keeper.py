@@ -39,7 +39,6 @@ from kvfs.fuse.mounts import find_mount
 
 log = logging.getLogger(__name__)
 
-KEEPER_DIR = Path("/run/kvfs")
 TAKEOVER_SECONDS = 30.0  # how long engines' requests wait for the next daemon, by default
 ANSWER_SECONDS = 5.0  # a keeper answers a successor at once, unless it is going away
 GENERATION_SHIFT = 40  # file handles and node-id aliases of daemon N start at N << this
@@ -48,7 +47,7 @@ MESSAGE_MAX = 4096
 
 def socket_path(mountpoint: Path) -> Path:
     digest = hashlib.sha256(str(mountpoint).encode()).hexdigest()[:24]
-    return KEEPER_DIR / f"keeper-{digest}.sock"
+    return kvfs.runtime_directory() / f"keeper-{digest}.sock"
 
 
 @dataclass
@@ -91,7 +90,7 @@ def start_keeper(fuse_fd: int, mountpoint: Path, wait: float,
     None (logged) if it cannot start."""
     path = socket_path(mountpoint)
     try:
-        KEEPER_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
