@@ -226,7 +226,8 @@ def test_failed_publish_keeps_the_committed_blob(kvfs: KvfsMount) -> None:
     payloads = {"new": os.urandom(3 * MiB), "alone": os.urandom(MiB)}
     with blob_shards_broken(kvfs.data):
         (root / "new").write_bytes(payloads["new"])  # the publisher's failure, not the close's
-        assert wait_for(lambda: stats(root)["volume_errors"] == 1)
+        # (the release, coming after the publisher's failure, tries again and fails too)
+        assert wait_for(lambda: stats(root)["volume_errors"] >= 1)
         os.kill(helper_pid(kvfs.pid), signal.SIGKILL)
         (root / "probe").write_bytes(b"p")  # (its publishing finds the helper gone)
         assert wait_for(lambda: "the volume helper process is gone"
