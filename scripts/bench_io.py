@@ -253,11 +253,21 @@ def fresh_ext4(parent: Path, size: int) -> Iterator[Path]:
         try:
             yield mountpoint
         finally:
-            subprocess.run(["umount", str(mountpoint)], check=True)
+            _unmount_when_free(mountpoint)
     finally:
         with contextlib.suppress(FileNotFoundError):
             mountpoint.rmdir()
         image.unlink()
+
+
+def _unmount_when_free(mountpoint: Path, seconds: float = 30) -> None:
+    """Unmount, waiting while it is busy (a daemon or its helper that served from it may
+    still be exiting)."""
+    deadline = time.monotonic() + seconds
+    while subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode:
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", str(mountpoint)], check=True)
+        time.sleep(0.1)
 
 
 def fio_bandwidth(directory: Path, filename: str, rw: str, size: int) -> float:
