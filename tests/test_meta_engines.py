@@ -1270,12 +1270,12 @@ os.kill(os.getpid(), 9)  # answered, and no close: as a daemon killed at that mo
 
 
 def changes_in_log(path: Path) -> int:
-    return sum(1 for _ in ChangeLog(host_files(path, readonly=True), path).replay(0))
+    return sum(1 for _ in ChangeLog(host_files(path, readonly=True)).replay(0))
 
 
 def log_segments(path: Path) -> list[Path]:
     """The change log's segments of the environment at `path` (in the runtime directory)."""
-    return sorted(host_files(path, readonly=True).glob("changes-*.log"))
+    return sorted(host_files(path, readonly=True)[0].glob("changes-*.log"))
 
 
 def last_record(segment: bytes) -> tuple[int, int]:
@@ -1327,6 +1327,24 @@ def test_answered_changes_survive_a_killed_process(tmp_path: Path) -> None:
     assert lmdb_applied(tmp_path) < changes_in_log(tmp_path)  # the last ones: only in the log
     assert_every_answered_change_back(tmp_path)
     assert log_segments(tmp_path) == []  # a clean close leaves no log
+
+
+@pytest.mark.parametrize("first", ["on the volume", "in another runtime directory"])
+def test_a_log_kept_elsewhere_by_the_killed_process_is_replayed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """The killed process kept its change log on the volume (its runtime directory could not
+    be made) or in another runtime directory: the next open, in this one, replays it all."""
+    volume = tmp_path / "meta"
+    monkeypatch.setenv("KVFS_RUNTIME_DIR", str(
+        Path("/proc/no-such-runtime") if first == "on the volume" else tmp_path / "runtime-1"))
+    kill_log_writer(volume, 300)
+    kept = list(volume.glob("changes-*.log")) if first == "on the volume" \
+        else list((tmp_path / "runtime-1").glob("volumes/*/changes-*.log"))
+    assert kept and lmdb_applied(volume) < changes_in_log(volume)
+    monkeypatch.setenv("KVFS_RUNTIME_DIR", str(tmp_path / "runtime-2"))
+    assert_every_answered_change_back(volume)
+    assert log_segments(volume) == [] and not any(path.exists() for path in kept)
+    assert (volume / "lock.mdb").readlink().parent.parent.parent == tmp_path / "runtime-2"
 
 
 def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:

@@ -6,8 +6,8 @@ groups. The log is what makes an answered change survive the daemon's death (its
 the page cache, which outlives the process); a change in LMDB needs it no more.
 
 Records are copied into segment files `DIR/changes-<first seq, 16 hex>.log` (DIR: the host's
-runtime directory, kvfs/engines/lmdb_env.py; segments found in the volume's metadata
-directory, where a daemon kept them that could not make it, are replayed too), each allocated
+runtime directory, kvfs/engines/lmdb_env.py; segments where earlier daemons kept them, in the
+volume's metadata directory or another runtime directory, are replayed too), each allocated
 whole (SEGMENT_MAX, fallocate) and mapped shared: an append is a copy into the page cache,
 no system call (a write(2) per change would cost a good part of a create), and a full
 volume fails the segment's allocation, not a page fault. What follows the last record is
@@ -107,9 +107,10 @@ def _decode_entries(payload: bytes) -> Writes:
 
 
 class ChangeLog:
-    def __init__(self, directory: Path, volume_directory: Path) -> None:
-        self.directory = directory
-        self._directories = list(dict.fromkeys((directory, volume_directory)))
+    def __init__(self, directories: list[Path]) -> None:
+        """Segments are written in the first of `directories`, and replayed from all."""
+        self.directory = directories[0]
+        self._directories = directories
         self._map: mmap.mmap | None = None  # the segment being written
         self._size = 0  # bytes of records in it
         self._segments: list[tuple[int, Path]] = []  # (first seq, path), oldest first

@@ -243,7 +243,7 @@ class LmdbEngine:
                  readonly: bool = False) -> None:
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        self.host_files = host_files(path, readonly)
+        self._host_files = host_files(path, readonly)
         self.env, self._dbs = open_environment(path, families, map_size, readonly)
         try:
             self._open(path, families, map_size, readonly)
@@ -260,7 +260,7 @@ class LmdbEngine:
         self._stopping = False
         self._committer_idle = False  # waiting for changes: the next one wakes it
         self.commit_failures = 0
-        self._log = ChangeLog(self.host_files, path)
+        self._log = ChangeLog(self._host_files)
         self._committer: threading.Thread | None = None
         self._seq = self._applied()
         self._replay(readonly)

@@ -13,6 +13,7 @@ yet, which its last groups' unsynced meta page may lose anyway (`metasync=False`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -65,18 +66,23 @@ class Layer:
         return writes
 
 
-def host_files(path: Path, readonly: bool) -> Path:
-    """The directory of the change log and LMDB's lock table of the environment at `path`
-    (LOCK_TABLE there links to it). A writer places them in the runtime directory, or on the
-    volume where that cannot be made (logged); a reader finds them where the link says."""
+def host_files(path: Path, readonly: bool) -> list[Path]:
+    """Where the change log and LMDB's lock table of the environment at `path` are (first:
+    LOCK_TABLE there links to it), then where earlier daemons may have left log segments. A
+    writer places them in the runtime directory, or on the volume where that cannot be made
+    (logged); a reader finds them where the link says."""
     lock = path / LOCK_TABLE
+    before = _linked(lock)
     if not readonly:
         _link_lock_table(lock, _runtime_files(path))
-    if not lock.is_symlink():
-        return path
-    directory = Path(os.readlink(lock)).parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # (gone with a reboot)
-    return directory
+    here = _linked(lock) or path
+    with contextlib.suppress(OSError):  # (gone with a reboot; a reader may not make it)
+        here.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return list(dict.fromkeys([here, *filter(None, [before]), path]))
+
+
+def _linked(lock: Path) -> Path | None:
+    return Path(os.readlink(lock)).parent if lock.is_symlink() else None
 
 
 def _runtime_files(path: Path) -> Path | None:
