@@ -121,6 +121,16 @@ def test_daemonsets_mount_under_the_parent_engines_share() -> None:
         assert f'{mount["mountPath"]}/mnt/' in configured, "the client's directory is in mnt/"
 
 
+def test_the_node_pool_keeps_its_change_log_in_the_nodes_memory() -> None:
+    """A container's own /run goes with it: the node-local pool's change log and lock table
+    (the runtime directory) are the node's /run/kvfs, so that a restarted container replays
+    what its killed daemon answered."""
+    daemonset = node_daemonset()
+    (runtime,) = [mount for mount in kvfs_container(daemonset)["volumeMounts"]
+                  if mount["mountPath"] == "/run/kvfs"]
+    assert host_paths(daemonset["spec"]["template"]["spec"])[runtime["name"]] == "/run/kvfs"
+
+
 @pytest.fixture
 def node_dir(tmp_path: Path) -> Iterator[Path]:
     """A node's /var/lib/kvfs: a directory bind-mounted on itself, shared propagation."""
