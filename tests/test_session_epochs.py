@@ -11,10 +11,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
-from conftest import drop_caches, stats, wait_for
+from conftest import blob_files, drop_caches, stats, wait_for
 from test_meta_engines import BLOCK, mkfile, new_blob
 from test_shared import assert_pool_counters_exact, fsck
 
@@ -110,6 +111,31 @@ def test_a_stalled_host_rejoins_under_a_new_session(shared_pool) -> None:
     assert wait_for(lambda: not (first.data / "staging" / old.hex()).exists(), 10)
     assert wait_for(lambda: _read(second.mountpoint / "open-across") == payload, 10)
     assert wait_for(lambda: stats(second.mountpoint)["hosts"] == 2, 10)
+    assert_pool_counters_exact(first)
+
+
+def test_a_file_closed_while_its_host_stalled_leaves_the_volume_once_removed(
+        shared_pool) -> None:
+    """A reader closed while its host stalled past the TTL (the close reaches the host as it
+    rejoins): once the file is removed, its data leaves the volume; no hold the rejoin
+    recorded under the new session stays behind."""
+    first, second = shared_pool(2, "--capacity", "256M")
+    (second.mountpoint / "read-across").write_bytes(os.urandom(1 << 20))
+    fd = os.open(first.mountpoint / "read-across", os.O_RDONLY)
+    os.read(fd, 4096)
+    closing = threading.Thread(target=os.close, args=(fd,))
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+        closing.start()  # (in a thread: a close may wait for the stalled daemon)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        closing.join(30)
+    assert wait_for(lambda: stats(first.mountpoint)["sessions_lost"] == 1, 10)
+    assert wait_for(lambda: stats(first.mountpoint)["blobs_held"] == 0, 10)
+    files = len(blob_files(second))
+    (second.mountpoint / "read-across").unlink()
+    assert wait_for(lambda: len(blob_files(second)) == files - 1, 10)
     assert_pool_counters_exact(first)
 
 

@@ -306,16 +306,21 @@ class Session:
 
     async def _round(self) -> None:
         async with self._upkeep_lock:
-            previous = self.id
+            previous, held = self.id, list(self._held)
             try:
-                round_ = await off_loop(self._upkeep, self._staged_bytes(), list(self._held))
+                round_ = await off_loop(self._upkeep, self._staged_bytes(), held)
                 self.staged_elsewhere = round_.staged_elsewhere
                 self.stats.sessions_lost += round_.lost
                 if round_.lost:
-                    # Staged files go to the new session's directory from now on; the
-                    # reaper dropped the old session's holds: none to release.
+                    # Staged files go to the new session's directory from now on. The reaper
+                    # dropped the old session's holds: none to release; but the rejoin
+                    # recorded those held when the round began under the new session, and
+                    # those let go meanwhile (their releases went, if at all, under the old
+                    # one) are released again, or their data would stay until unmount.
                     self.data.switch_session(self.id.hex())
-                    self._releasing.clear()
+                    self._releasing = {blob_id for blob_id in held if blob_id not in self._held}
+                    if self._releasing:
+                        self._release_wanted.set()
                     self.on_lost()
                     await off_loop(self._after_rejoin, previous, list(self._held))
                 for leftovers in round_.reaped:
