@@ -1348,8 +1348,8 @@ def test_a_log_kept_elsewhere_by_the_killed_process_is_replayed(
 
 
 def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
-    """A change's writes in the change log's entries format (kvfs before marshal payloads),
-    as kvfs/engines/changelog.py documents it."""
+    """A change's writes in the change log's entries format (`MAGIC_ENTRIES`), as
+    kvfs/engines/changelog.py documents it."""
     out = bytearray()
     for family, keys in writes.items():
         for key, (value, delta) in keys.items():
@@ -1364,8 +1364,8 @@ def entries_payload(writes: dict[str, dict[bytes, list]]) -> bytes:
     return bytes(out)
 
 
-def test_a_log_left_by_the_previous_format_is_replayed(tmp_path: Path) -> None:
-    """A crash of kvfs before marshal payloads leaves records of entries: the next open
+def test_a_log_of_entries_records_is_replayed(tmp_path: Path) -> None:
+    """A log whose records hold entries (`MAGIC_ENTRIES`) left by a crash: the next open
     replays them like its own (the same log rewritten in that format gives the same store)."""
     kill_log_writer(tmp_path, 300)
     records = changes_in_log(tmp_path)
