@@ -99,16 +99,14 @@ def _runtime_files(path: Path) -> Path | None:
 
 def _link_lock_table(lock: Path, directory: Path | None) -> None:
     """LOCK_TABLE on the volume a link to `directory`'s, or a file of its own (None)."""
-    target = None if directory is None else directory / LOCK_TABLE
-    if lock.is_symlink() and target is not None and Path(os.readlink(lock)) == target:
+    if _linked(lock) == directory:
         return
-    if target is None:
-        if lock.is_symlink():
-            lock.unlink()
+    if directory is None:
+        lock.unlink()  # (a link: LMDB makes the file)
         return
     link = lock.with_name(LOCK_TABLE + ".link")
     link.unlink(missing_ok=True)
-    link.symlink_to(target)
+    link.symlink_to(directory / LOCK_TABLE)
     link.replace(lock)
 
 
