@@ -211,7 +211,7 @@ class Daemon:
             o_direct=config.odirect == "kernel")
         self.helper = start_volume_helper()
         self.files = self._file_table(config, numbers_from)
-        self.session.on_lost = self.files.session_lost
+        self.session.on_lost = self._session_lost
         self.files.verifier.load(self.volume.verified_path(self.shared))
         self.files.prefetcher.load_direct_readers(self.volume.direct_readers_path(self.shared))
         for blob_id in pending:
@@ -252,8 +252,9 @@ class Daemon:
                          stats=self.stats, passthrough=self.passthrough, kernel=self.kernel,
                          verifier=verifier, prefetcher=prefetcher, loads=LoadMeter())
 
-    def _staged(self) -> int:
-        return self.space.staged
+    def _session_lost(self) -> None:
+        self.files.session_lost()
+        self.space.session_lost()
 
     def _open_inodes(self) -> frozenset[int]:
         return self.files.open_inodes()
@@ -341,7 +342,7 @@ class Daemon:
             nursery.start_soon(self.files.hasher.run)
             nursery.start_soon(self.files.spares.run)
             nursery.start_soon(self.files.prefetcher.run)
-            nursery.start_soon(self.session.run, self._staged, self.files.hasher.want)
+            nursery.start_soon(self.session.run, self.files.hasher.want)
             nursery.start_soon(self.session.sweep_doomed)
             nursery.start_soon(self.session.send_releases)
             self.cache.start(nursery)
@@ -374,6 +375,8 @@ class Daemon:
             self.files.reap_remaining()
             if self.shared:
                 self._leave_pool()
+            else:
+                self.meta.pool.end_claim()
         except FsError as error:  # a shared engine out of reach: others finish the work
             log.error("unmounted without finishing (%s): recovery, or another host, "
                       "completes it", error)

@@ -15,6 +15,18 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 
+# The pool's room, as engines check claims on it (kvfs/pool/space.py): bytes committed blobs
+# take (counter USED_BYTES) plus every host's claim (counters CLAIM_PREFIX + its session), at
+# most the capacity (settings CAPACITY, a big-endian u64).
+USED_BYTES = b"used_bytes"
+CLAIM_PREFIX = b"claim:"
+CAPACITY = b"capacity"
+
+
+def claims_total(counters: dict[bytes, int]) -> int:
+    """The bytes every host's claims hold, from the counters."""
+    return sum(value for key, value in counters.items() if key.startswith(CLAIM_PREFIX))
+
 
 class Txn(Protocol):
     """A snapshot or a transaction: families of byte keys in byte order."""
@@ -83,6 +95,12 @@ class Engine(Protocol):
     def allocate(self, key: bytes, count: int) -> int:
         """Add `count` to the counter `key` (family `counters`) at once, outside any change;
         returns its new value (id stocks)."""
+        ...
+
+    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+        """Add `amount` to `session`'s claim on the pool's room at once, outside any change,
+        if committed bytes and every claim then stay within the capacity (a negative amount
+        always does); returns (granted, capacity, committed bytes and claims before)."""
         ...
 
     def has_room(self) -> bool:

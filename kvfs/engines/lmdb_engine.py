@@ -36,7 +36,14 @@ from typing import TypeVar
 import lmdb
 
 from kvfs.engines.changelog import KEEP, ChangeLog, Pending, Value, Writes, encode
-from kvfs.engines.interface import Txn, get_through
+from kvfs.engines.interface import (
+    CAPACITY,
+    CLAIM_PREFIX,
+    USED_BYTES,
+    Txn,
+    claims_total,
+    get_through,
+)
 from kvfs.engines.lmdb_env import (
     APPLIED_KEY,
     COUNT,
@@ -336,6 +343,18 @@ class LmdbEngine:
         def change(txn: Txn) -> int:
             txn.add("counters", key, count)
             return txn.count("counters", key)
+        return self.change(change)
+
+    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+        def change(txn: Txn) -> tuple[bool, int, int]:
+            counters = txn.counts("counters")
+            held = counters.get(USED_BYTES, 0) + claims_total(counters)
+            raw = txn.get("settings", CAPACITY)
+            capacity = int.from_bytes(raw[:8], "big") if raw else 0
+            granted = amount <= 0 or held + amount <= capacity
+            if granted and amount:
+                txn.add("counters", CLAIM_PREFIX + session, amount)
+            return granted, capacity, held
         return self.change(change)
 
     def beat(self, session: bytes, ttl: float) -> None:

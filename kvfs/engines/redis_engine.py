@@ -59,12 +59,13 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from kvfs.engines.interface import RoundTripNeeded
+from kvfs.engines.interface import CAPACITY, CLAIM_PREFIX, RoundTripNeeded
 from kvfs.engines.redis_cache import Cached, NotCached, RecordCache
 from kvfs.engines.redis_change import Change, Reader
 from kvfs.engines.redis_layout import (
     ALLOCATE_SCRIPT,
     CHANGES_CHANNEL,
+    CLAIM_SCRIPT,
     COMMIT_SCRIPT,
     DEFAULT_DEADLINE,
     ENGINE_ID_BYTES,
@@ -168,6 +169,7 @@ class RedisEngine:
         self.lookup_script = self.client.register_script(LOOKUP_SCRIPT)
         self.commit_script = self.client.register_script(COMMIT_SCRIPT)
         self.allocate_script = self.client.register_script(ALLOCATE_SCRIPT)
+        self.claim_script = self.client.register_script(CLAIM_SCRIPT)
         self.pool_guard: bytes | None = None  # this mount's pool (`guard`): commits check it
         self.pool_lost = False  # Redis holds another pool, or none: nothing is served
         # Records this host alone writes (`own`), as it last wrote or read them: changes
@@ -442,6 +444,16 @@ class RedisEngine:
             self.lose_pool()
             raise fail(errno.EIO)
         return int(value)
+
+    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+        answer = self.call(self.claim_script,
+                           [POOL_KEY, counter_key("counters"), record_key("settings", CAPACITY)],
+                           [self.pool_guard or b"", CLAIM_PREFIX + session, amount])
+        if answer is None:
+            self.lose_pool()
+            raise fail(errno.EIO)
+        granted, capacity, held = (int(value) for value in answer)
+        return bool(granted), capacity, held
 
     def has_room(self) -> bool:
         """Below Redis's maxmemory (if it has one), with room left for removals: as the

@@ -80,6 +80,28 @@ ALLOCATE_SCRIPT = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 return redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
 """
+# A claim on the pool's room (Engine.claim): HINCRBY of KEYS[2]'s field ARGV[2] by ARGV[3] if
+# the field used_bytes plus every claim:* field plus ARGV[3] is at most the capacity (KEYS[3],
+# a big-endian u64), or ARGV[3] <= 0; only in the pool ARGV[1] (as ALLOCATE_SCRIPT). Returns
+# {granted, capacity, committed and claimed before}.
+CLAIM_SCRIPT = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local counters, held = redis.call('HGETALL', KEYS[2]), 0
+for i = 1, #counters, 2 do
+  local name = counters[i]
+  if name == 'used_bytes' or string.sub(name, 1, 6) == 'claim:' then
+    held = held + tonumber(counters[i + 1])
+  end
+end
+local raw, capacity = redis.call('GET', KEYS[3]), 0
+if raw then
+  for i = 1, 8 do capacity = capacity * 256 + string.byte(raw, i) end
+end
+local amount = tonumber(ARGV[3])
+local granted = amount <= 0 or held + amount <= capacity
+if granted and amount ~= 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], amount) end
+return {granted and 1 or 0, capacity, held}
+"""
 # A name's entry, then the inode its value starts with: one round trip (keys share {kvfs}).
 LOOKUP_SCRIPT = """
 local entry = redis.call('GET', KEYS[1])

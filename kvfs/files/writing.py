@@ -178,12 +178,12 @@ class Writer:
         room reserved first."""
         if not staged.has_base():
             return
-        before = staged.physical
-        await self.space.reserve(staged.base_allocated())
+        before, reserved = staged.physical, staged.base_allocated()
+        await self.space.reserve(reserved)
         try:
             await off_loop(staged.materialize)
         finally:
-            self.space.stage(staged.physical - before)
+            self.space.stage(staged.physical - before, reserved)
 
     async def _change(self, staged: StagedFile, growth_bound: int,
                       change: Callable[[], T]) -> T:
@@ -194,7 +194,7 @@ class Writer:
         try:
             return change()
         finally:
-            self.space.stage(staged.physical - before)
+            self.space.stage(staged.physical - before, max(0, growth_bound))
 
     async def flush(self, handle: Handle, closing: bool = True) -> bool:
         """Commit what this handle wrote: one metadata transaction makes it visible whole.
@@ -273,7 +273,8 @@ class Writer:
         staged.mark_committed()
         if blob.pending:
             self.hasher.want(blob.blob_id, on_volume=handle.direct)
-        self.space.unstage(staged.physical)  # now counted in the metadata's used bytes
+        # now counted in the metadata's used bytes, and given back from the claim
+        self.space.unstage(staged.physical, self.space.given_back(blob.allocated))
         self.space.committed(blob.size)
         self.retirer.free_blob(old_blob)
         # Later writes on this handle start from what it just committed (the staged file's
@@ -308,7 +309,7 @@ class Writer:
             blob = staged.finish(ino, hash_later)
         inode, old_blob = await self.meta_call.change(
             self.meta.content.commit_content, ino, blob, holder,
-            self.session.staging_session(staged.session))
+            self.session.staging_session(staged.session), self.space.given_back(blob.allocated))
         if staged.syncs or (self.publish_later and self.helper is not None
                             and self.helper.alive):
             self._published_later[staged.blob_id] = trio.Event()
@@ -389,7 +390,8 @@ class Writer:
         the commit), commit (with `holder`'s hold) and publish."""
         blob = staged.finish(ino, hash_later)
         inode, old_blob = self.meta.content.commit_content(
-            ino, blob, holder, self.session.staging_session(staged.session))
+            ino, blob, holder, self.session.staging_session(staged.session),
+            self.space.given_back(blob.allocated))
         with contextlib.suppress(OSError):  # the flush tries again and reports the error
             staged.publish()
         return blob, inode, old_blob

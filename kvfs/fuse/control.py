@@ -57,7 +57,7 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
 
     try:
         files, hosts, models = await off_loop(read)
-        capacity, used = await space.room()
+        capacity, used = await space.shown()
         _last_pool_view[id(meta)] = files, hosts, models, capacity, used
         reachable = True
     except FsError:  # (a shared engine out of reach: the counters still show, with the last view)

@@ -444,7 +444,7 @@ class KvfsOperations(pyfuse3.Operations):
         pass
 
     async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
-        capacity, used = await self.space.room()
+        capacity, used = await self.space.shown()
         result = pyfuse3.StatvfsData()
         result.f_bsize = result.f_frsize = STATFS_BLOCK
         result.f_blocks = capacity // STATFS_BLOCK

@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from kvfs.engines.interface import Txn
+from kvfs.engines.interface import CLAIM_PREFIX, Txn
 from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import LIVE_SESSION, Inode, Removed, from_u64, u64
 from kvfs.records import BlobInfo, FsError, fail
@@ -70,11 +70,13 @@ class Content:
         return range(end - count, end)
 
     def commit_content(self, ino: int, blob: BlobInfo | None, holder: bytes | None = None,
-                       staged_in: bytes | None = None) -> tuple[Inode, int]:
+                       staged_in: bytes | None = None, claimed: int = 0) -> tuple[Inode, int]:
         """Point `ino` at a new blob (None: empty); returns the new inode and the replaced blob.
         `holder`: the session that holds the new blob open, recorded in the same change (the
         committing host of a shared pool: one round trip, not two). `staged_in`: the session
         whose staging directory holds the blob's file, which must still be its own.
+        `claimed`: the room this mount's claim held for the staged file, given back in the
+        same change (its bytes are counted as committed now).
 
         Raises ENOENT when the inode was removed meanwhile: the caller discards the blob;
         ESTALE when a reaper claimed `staged_in` (its host was declared dead): the reaper
@@ -95,6 +97,8 @@ class Content:
                     txn.put("pending", u64(blob.blob_id), self.core.session)
                 txn.add("counters", b"used_bytes", blob.allocated)
                 size, allocated = blob.size, blob.allocated
+            if claimed:
+                txn.add("counters", CLAIM_PREFIX + self.core.session, -claimed)
             updated = inode._replace(size=size, allocated=allocated,
                                      blob=blob.blob_id if blob else 0,
                                      version=inode.version + 1,

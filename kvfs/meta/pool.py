@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from kvfs.engines.interface import Txn
+from kvfs.engines.interface import CLAIM_PREFIX, Txn
 from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import LIVE_SESSION, u64
 
@@ -54,11 +54,43 @@ class Pool:
             if not txn.delete("sessions", session):
                 return False
             txn.discard("settings", LIVE_SESSION + session)
+            txn.discard("counters", CLAIM_PREFIX + session)
             for blob in self.core.suffixes(txn, "holding", session):
                 txn.discard("holding", session + blob)
                 txn.discard("held", blob + session)
             return True
         return self.core.change(change)
+
+    def claim(self, amount: int) -> tuple[bool, int, int]:
+        """Claim `amount` more bytes of the pool's room for this mount's writers (negative:
+        give back); (granted, capacity, committed and claimed bytes before)."""
+        return self.engine.claim(self.core.session, amount)
+
+    def add_claim(self, amount: int) -> None:
+        """Add to this mount's claim whatever the room left (what its writers staged already)."""
+        def change(txn: Txn) -> None:
+            txn.add("counters", CLAIM_PREFIX + self.core.session, amount)
+        self.core.change(change)
+
+    def end_claim(self) -> None:
+        """This mount's writers hold no room."""
+        def change(txn: Txn) -> None:
+            txn.discard("counters", CLAIM_PREFIX + self.core.session)
+        self.core.change(change)
+
+    def drop_claims(self, live: set[bytes]) -> int:
+        """End the claims of sessions not in `live` (a crash left them, or a give-back that
+        reached Redis after the reaper); how many."""
+        with self.engine.snapshot() as txn:
+            stray = [key for key in txn.counts("counters") if key.startswith(CLAIM_PREFIX)
+                     and key[len(CLAIM_PREFIX):] not in live]
+
+        def change(txn: Txn) -> None:
+            for key in stray:
+                txn.discard("counters", key)
+        if stray:
+            self.core.change(change)
+        return len(stray)
 
     def drop_holds(self, session: bytes) -> None:
         """Remove every hold `session` has (a session that ended: its record is gone)."""

@@ -3,7 +3,7 @@ pins, the usage counters, the capacity and per-model usage."""
 
 from __future__ import annotations
 
-from kvfs.engines.interface import Txn
+from kvfs.engines.interface import CLAIM_PREFIX, Txn, claims_total
 from kvfs.meta.core import MetaCore
 from kvfs.meta.schema import TOUCH_BATCH, Inode, Usage, from_u64, u64
 
@@ -52,9 +52,10 @@ class Recency:
 
     def usage(self) -> Usage:
         with self.engine.snapshot() as txn:
-            counters = txn.counts("counters")  # (one read of all four: one round trip)
+            counters = txn.counts("counters")  # (one read of them all: one round trip)
             return Usage(self._capacity(txn), counters.get(b"used_bytes", 0),
-                         counters.get(b"files", 0))
+                         counters.get(b"files", 0), claims_total(counters),
+                         counters.get(CLAIM_PREFIX + self.core.session, 0))
 
     def _capacity(self, txn: Txn) -> int:
         raw = txn.get("settings", b"capacity")

@@ -27,12 +27,15 @@ Key schema (one family each):
     holding  session + blob id        -> b""   (the same, by session)
     sessions session                  -> host name, pid, boot id, mountpoint (shared pool)
     models   model name + \0files|\0bytes -> counter (LMCache files and bytes per model)
-    counters name                     -> counter (next_ino, next_blob, used_bytes, files)
+    counters name                     -> counter (next_ino, next_blob, used_bytes, files;
+                                         claim:<session>: room a host holds for its writers)
     settings name                     -> bytes (format, capacity, boot: boot id of the last mount)
 
 Counters are only ever added to inside a change (never read there), so that a shared engine
 adds them without making changes that touch them conflict; id stocks are taken outside
-changes (`Engine.allocate`).
+changes (`Engine.allocate`). So are claims on the pool's room (`Engine.claim`: checked
+against the capacity and granted in one step); a content commit gives back, in its change,
+the claim its staged bytes held, and a session's claim ends with its record.
 
 Every directory entry has a cookie, unique for the volume's life (taken from the inode
 counter), so that readdir resumes after the last cookie it returned and a listing stays
@@ -192,8 +195,10 @@ class Removed:
 @dataclass(frozen=True, slots=True)
 class Usage:
     capacity: int
-    used: int
+    used: int  # bytes committed blobs take
     files: int
+    claimed: int  # room hosts hold for what their writers stage (kvfs/pool/space.py)
+    claimed_here: int  # ... of which this mount's claim
 
 
 def check_name(name: bytes) -> None:

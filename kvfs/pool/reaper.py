@@ -93,6 +93,7 @@ def recover(meta: MetaStore, data: DataStore, volume: Volume) -> list[int]:
         reaped = reap_session(meta, data, volume, session, json.loads(raw))
         if reaped is not None:
             to_hash += reaped.to_hash
+    meta.pool.drop_claims(set())  # (no host runs: no writer holds room)
     pending = meta.content.pending()
     this_boot = boot_id().encode()
     rebooted = meta.pool.swap_boot(this_boot) != this_boot

@@ -24,8 +24,8 @@ the session is local, holds nothing remotely and reaps nobody. On a shared engin
   whose blob any host holds, and a replaced or removed blob's data file is deleted (the
   doomed sweep, every second, on every host) only once no host holds it and no host is still
   publishing it.
-- It publishes how many bytes its writers have staged, so that every host counts everyone's
-  staged bytes against the pool's capacity.
+- Its writers' room is its claim in the engine (kvfs/pool/space.py), which ends with its
+  session, whether it unmounts or a reaper claims it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ def new_session_id(meta: MetaStore) -> bytes:
 class UpkeepRound:
     """What one upkeep round found, for the loop to apply."""
 
-    staged_elsewhere: int  # bytes other hosts' writers have staged
     lost: bool  # this session had been declared dead (and has rejoined)
     reaped: list[Leftovers]  # what the dead sessions this host cleaned up after left
 
@@ -111,7 +110,6 @@ class Session:
         self.ttl = ttl
         self.shared = meta.engine.shared
         self.id = meta.session
-        self.staged_elsewhere = 0  # bytes other hosts' writers have staged (last heard)
         # On the loop, once this host learns it was declared dead (its staging reaped).
         self.on_lost: Callable[[], None] = lambda: None
         self._held: Counter[int] = Counter()
@@ -127,11 +125,10 @@ class Session:
         self._beat_ok = time.monotonic()
         self._sweep_wanted = trio.Event()
         self._upkeep_lock = trio.Lock()
-        self._staged_bytes: Callable[[], int] = lambda: 0
         self._want_sums: Callable[[int], None] = lambda blob_id: None
         self._record: dict[str, Any] = {  # JSON: the session's record
             "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
-            "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint), "staged": 0}
+            "pid_namespace": _pid_namespace(), "mountpoint": str(mountpoint)}
         if self.shared:
             meta.engine.beat(self.id, ttl)
             meta.pool.register_session(self.id, json.dumps(self._record).encode())
@@ -289,11 +286,11 @@ class Session:
 
     # -- upkeep --------------------------------------------------------------------------
 
-    async def run(self, staged: Callable[[], int], want_sums: Callable[[int], None]) -> None:
-        """Heartbeat, staged-bytes report and the reaping of dead sessions (shared only)."""
+    async def run(self, want_sums: Callable[[int], None]) -> None:
+        """Heartbeat and the reaping of dead sessions (shared only)."""
         if not self.shared:
             return
-        self._staged_bytes, self._want_sums = staged, want_sums
+        self._want_sums = want_sums
         while True:
             await self._round()
             await trio.sleep(self.ttl / 4)
@@ -308,8 +305,7 @@ class Session:
         async with self._upkeep_lock:
             previous, held = self.id, list(self._held)
             try:
-                round_ = await off_loop(self._upkeep, self._staged_bytes(), held)
-                self.staged_elsewhere = round_.staged_elsewhere
+                round_ = await off_loop(self._upkeep, held)
                 self.stats.sessions_lost += round_.lost
                 if round_.lost:
                     # Staged files go to the new session's directory from now on. The reaper
@@ -331,14 +327,13 @@ class Session:
                 self.stats.background_errors += 1
                 log.exception("session upkeep failed")
 
-    def _upkeep(self, staged: int, held: list[int]) -> UpkeepRound:
+    def _upkeep(self, held: list[int]) -> UpkeepRound:
         """One round (worker thread; `_seen_dead`, `_beat_ok` and `_record` are the rounds'
         own), on one read of the sessions: beat, then reap. `held`: the blobs this host
         holds, as the loop saw them when the round began."""
         self.meta.engine.beat(self.id, self.ttl)
         self._beat_ok = time.monotonic()
         sessions = self.meta.pool.sessions()
-        self._record["staged"] = staged
         record = json.dumps(self._record).encode()
         previous = self.id
         # (an update, not a registration: a reaper's claim between the read and here must
@@ -348,9 +343,10 @@ class Session:
             log.error("session %s was declared dead by another host (stalled for more than "
                       "%.0f s?): registering again", previous.hex(), self.ttl)
             self._rejoin(held, record)
-        others = sum(json.loads(raw).get("staged", 0)
-                     for session, raw in sessions.items() if session not in (previous, self.id))
-        return UpkeepRound(others, lost, self._reap_dead(sessions, previous))
+        reaped = self._reap_dead(sessions, previous)
+        if reaped:  # (and what a host gave back of its claim after its reaper ended it)
+            self.meta.pool.drop_claims(set(self.meta.pool.sessions()))
+        return UpkeepRound(lost, reaped)
 
     def _rejoin(self, held: list[int], record: bytes) -> None:
         """After being declared dead: the reaper claimed this session, and cleans up its

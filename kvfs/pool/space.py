@@ -43,7 +43,12 @@ EVICTION_BATCH = 64
 TICK_SECONDS = 0.25
 RECENCY_FLUSH_SECONDS = 1.0
 USES_PER_CHANGE = 64  # uses recorded in one metadata change (on the embedded engine: on the loop)
-SLACK_SECONDS = 0.1
+KERNEL_SHARE_SECONDS = 0.1  # how long the capacity read for kernel writers' share is used
+# A claim takes at least this share of the capacity, within bounds: writers claim once per
+# many writes, and an idle host gives its spare back (`give_back`).
+GRANULE_SHARE = 1 / 64
+GRANULE_MIN = 1 << 20
+GRANULE_MAX = 64 << 20
 EVICTION_ATTEMPTS = 3  # victims opened between choice and eviction are spared: choose again
 # Holds that hosts could not release while the metadata was away are released again within
 # this long of its return (kvfs/pool/sessions.py); until then they keep their files.
@@ -74,14 +79,18 @@ class Space:
         self.evicted = evicted  # retires the victims (kvfs/files/retiring.py)
         # ... and waits until removed files' data has left the volume (whether any had not)
         self.deletions_done = deletions_done
+        # This host's claim on the pool's room (in the metadata, `MetaStore.pool.claim`) is
+        # what its writers staged, what changes under way reserved, and the spare rest.
         self.staged = 0  # bytes this host's open write handles have staged (and reserved)
         self.kernel_reserved = 0  # ... of which held for kernel writers
+        self._reserved = 0
+        self._spare = 0  # (negative: the kernel wrote more than its writers reserved)
+        self._claim_used = False  # staged into since the claim was last ended
+        self._granule = GRANULE_MIN
+        self._claiming = trio.Lock()
+        self._lost = False  # the claim is to be made again under a new session
         self._committed_sizes: deque[int] = deque(maxlen=KERNEL_WRITER_SIZES_KEPT)
         self._uses: dict[int, int] = {}  # ino -> last use (ns), not yet in the metadata store
-        # Room measured by the last full check, spent by later reservations until it runs out
-        # or gets old (the volume's free space can change behind our back).
-        self._slack = 0
-        self._slack_until = 0.0
         self._kernel_share = 0  # room kernel writers may hold together (last known capacity)
         self._kernel_share_until = 0.0
         # the read of the room on its way, and its answer once there (`_read_room`)
@@ -93,26 +102,31 @@ class Space:
     # -- accounting ----------------------------------------------------------------------
 
     async def used(self) -> int:
-        return self._with_staged((await self.meta_call(self.meta.recency.usage)).used)
-
-    def _with_staged(self, committed: int) -> int:
-        return committed + self.staged + self.session.staged_elsewhere
+        """Bytes committed, and claimed by every host for its writers: what eviction and a
+        claim count."""
+        usage = await self.meta_call(self.meta.recency.usage)
+        return usage.used + usage.claimed + max(0, -self._spare)
 
     async def capacity(self) -> int:
         return (await self.room())[0]
 
     async def room(self) -> tuple[int, int]:
         """(capacity, used bytes): the configured capacity, or what fits on the volume if
-        that is less, and the bytes committed and staged."""
+        that is less, and the bytes committed and claimed (all of every host's claims)."""
         usage, volume_room = await self._read_room()
-        used = self._with_staged(usage.used)
+        used = usage.used + usage.claimed + max(0, -self._spare)
+        return max(0, min(usage.capacity, used + volume_room)), used
+
+    async def shown(self) -> tuple[int, int]:
+        """`room` as `df` and the stats show it: this host's writers count with what they
+        staged and reserve, not with the spare room its claim holds for them."""
+        usage, volume_room = await self._read_room()
+        used = usage.used + usage.claimed - usage.claimed_here + self.staged + self._reserved
         return max(0, min(usage.capacity, used + volume_room)), used
 
     async def _read_room(self) -> tuple[Usage, int]:
         """One statvfs and one metadata read (inline on one host, a worker's on a shared
-        pool), shared by the callers that ask while it is on its way: sixteen writers whose
-        slack ran out together made sixteen worker calls and round trips, a tenth of a
-        shared pool's stores."""
+        pool), shared by the callers that ask while it is on its way."""
         pending = self._room_read
         if pending is not None:
             done, answer = pending
@@ -129,30 +143,87 @@ class Space:
             self._room_read = None
             done.set()
 
-    def _usage_and_volume_room(self) -> tuple[Usage, int]:
+    def _volume_room(self) -> int:
         volume = os.statvfs(self.volume)
         reserve = min(VOLUME_RESERVE, int(volume.f_blocks * volume.f_frsize * VOLUME_RESERVE_SHARE))
-        return self.meta.recency.usage(), volume.f_bavail * volume.f_frsize - reserve
+        return volume.f_bavail * volume.f_frsize - reserve
+
+    def _usage_and_volume_room(self) -> tuple[Usage, int]:
+        return self.meta.recency.usage(), self._volume_room()
 
     async def reserve(self, growth: int) -> None:
         """Make room for `growth` more bytes, evicting only if that makes it fit; ENOSPC
-        (evicting nothing) if it cannot."""
+        (evicting nothing) if it cannot. The room comes from this host's claim, claimed
+        further when it runs out; the caller's `stage` says what was used of it."""
         if growth <= 0:
             return
-        if growth <= self._slack and time.monotonic() < self._slack_until:
-            self._slack -= growth  # room known to be there: no statvfs, no metadata read
+        if growth > self._spare:
+            await self._claim_at_least(growth)
+        self._spare -= growth
+        self._reserved += growth
+
+    async def _claim_at_least(self, growth: int) -> None:
+        """Claim room until this host's spare claim covers `growth` (a granule more where
+        the pool has it); evict what that takes, or ENOSPC."""
+        async with self._claiming:
+            await self._claim_again()
+            evicted = deletions_waited = False
+            while growth > self._spare:
+                need = growth - self._spare
+                amount = max(need, self._granule)
+                granted, capacity, used = await self.meta_call(self._claim, amount)
+                if not granted and amount > need:
+                    amount = need
+                    granted, capacity, used = await self.meta_call(self._claim, need)
+                self._granule = max(GRANULE_MIN, min(GRANULE_MAX, int(capacity * GRANULE_SHARE)))
+                if granted:
+                    self._spare += amount
+                    return
+                if need > capacity:
+                    raise fail(errno.ENOSPC)
+                if not deletions_waited and await self.deletions_done():
+                    deletions_waited = True  # (the room of files removed just now)
+                    continue
+                if evicted or not await self._evict_for(capacity - need):
+                    raise fail(errno.ENOSPC)
+                evicted = True
+
+    def _claim(self, amount: int) -> tuple[bool, int, int]:
+        """Claim `amount` bytes (worker): granted where the pool and the volume have them;
+        (granted, effective capacity, bytes committed and claimed)."""
+        volume_room = self._volume_room()
+        granted, capacity, used = self.meta.pool.claim(amount if amount <= volume_room else 0)
+        return granted and amount <= volume_room, min(capacity, used + volume_room), used
+
+    async def _claim_again(self) -> None:
+        """(Under `_claiming`) After this host rejoined a shared pool under a new session,
+        claim there what it holds: the reaper ended the old session's claim."""
+        if not self._lost:
             return
-        capacity, used = await self.room()
-        if used + growth > capacity and await self.deletions_done():
-            capacity, used = await self.room()  # with the room of files removed just now
-        if growth > capacity:
-            raise fail(errno.ENOSPC)
-        if used + growth > capacity:
-            if not await self._evict_for(capacity - growth):
-                raise fail(errno.ENOSPC)
-            used = await self.used()
-        self._slack = capacity - used - growth
-        self._slack_until = time.monotonic() + SLACK_SECONDS
+        held = self.staged + self._reserved + self._spare
+        await self.meta_call(self.meta.pool.add_claim, held)
+        self._lost = False
+
+    def session_lost(self) -> None:
+        """This host was declared dead and rejoined (kvfs/pool/sessions.py): its claim went
+        with its old session."""
+        self._lost = True
+
+    async def give_back(self) -> None:
+        """Give back spare room: all of it once no writer stages or reserves any (which also
+        mends a claim that a commit of unknown outcome left off), else what exceeds two
+        granules."""
+        async with self._claiming:
+            await self._claim_again()
+            if self.staged == 0 and self._reserved == 0:
+                if self._spare or self._claim_used:
+                    self._spare = 0
+                    self._claim_used = False
+                    await self.meta_call(self.meta.pool.end_claim)
+            elif self._spare > 2 * self._granule:
+                excess = self._spare - self._granule
+                self._spare -= excess
+                await self.meta_call(self.meta.pool.claim, -excess)
 
     async def _evict_for(self, target: int) -> bool:
         """`evict_to(target)`; if that fails just after the metadata came back from an
@@ -172,7 +243,7 @@ class Space:
         pool: then kvfs serves the writes and accounts each one exactly."""
         if time.monotonic() >= self._kernel_share_until:
             self._kernel_share = int(await self.capacity() * KERNEL_WRITER_SHARE)
-            self._kernel_share_until = time.monotonic() + SLACK_SECONDS
+            self._kernel_share_until = time.monotonic() + KERNEL_SHARE_SECONDS
         size = self.kernel_writer_reserve()
         if self.kernel_reserved + size > self._kernel_share:
             return 0
@@ -180,7 +251,7 @@ class Space:
             await self.reserve(size)
         except FsError:
             return 0
-        self.stage(size)
+        self.stage(size, reserved=size)
         self.kernel_reserved += size
         return size
 
@@ -199,13 +270,24 @@ class Space:
         """A writer committed a file of `size` bytes: sizes kernel writers reserve for."""
         self._committed_sizes.append(size)
 
-    def stage(self, growth: int) -> None:
-        """Count bytes a writer staged (or reserved) on this host; negative: it shrank."""
+    def stage(self, growth: int, reserved: int = 0) -> None:
+        """A writer staged `growth` more bytes (negative: it shrank) with room it `reserved`;
+        bytes beyond that (the kernel's writes, seen at the end) come from the spare claim."""
+        self._reserved -= reserved
+        self._spare += reserved - growth
         self.staged += growth
+        self._claim_used = True
 
-    def unstage(self, size: int) -> None:
-        """Bytes staged here left: committed (now counted in the metadata) or discarded."""
+    def given_back(self, size: int) -> int:
+        """The claim a commit of `size` staged bytes gives back in its change: all of it,
+        unless this host's claim is to be made again under a new session."""
+        return 0 if self._lost else size
+
+    def unstage(self, size: int, given_back: int = 0) -> None:
+        """Bytes staged here left: committed (the change gave back `given_back` of the
+        claim: it is counted as committed now) or discarded (their room is spare again)."""
         self.staged -= size
+        self._spare += size - given_back
 
     # -- recency -------------------------------------------------------------------------
 
@@ -325,6 +407,7 @@ class Space:
                 if time.monotonic() - last_flush >= RECENCY_FLUSH_SECONDS:
                     last_flush = time.monotonic()
                     await self.flush_uses()
+                await self.give_back()
             except Exception:
                 self.stats.background_errors += 1
                 log.exception("space upkeep failed")
