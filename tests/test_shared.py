@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.synchronize import Event as EventType
@@ -499,23 +500,49 @@ def write_chunks(root: str, prefix: str, count: int, size: int) -> int:
     return full
 
 
-def test_writers_on_every_host_stay_within_the_pools_capacity(shared_pool) -> None:
+def sample_pool_room(url: str, done: EventType, samples: list[tuple[int, int]]) -> None:
+    """(committed bytes, committed and claimed bytes) of the pool, read from Redis in one
+    step, as often as Redis answers, until `done`."""
+    client = redis.Redis.from_url(url)
+    while not done.is_set():
+        counters = client.hgetall(b"{kvfs}:counters")
+        used = int(counters.get(b"used_bytes", 0))
+        claimed = sum(int(value) for key, value in counters.items()
+                      if key.startswith(b"claim:"))
+        samples.append((used, used + claimed))
+    client.close()
+
+
+def test_writers_on_every_host_stay_within_the_pools_capacity(shared_pool,
+                                                              redis_server) -> None:
     hosts = shared_pool(2, "--capacity", "64M")
-    with multiprocessing.Pool(len(hosts)) as pool:
-        results = pool.starmap(write_chunks, [(str(host.mountpoint), f"h{i}-", 16, 4 * MiB)
-                                              for i, host in enumerate(hosts)])
+    done, samples = threading.Event(), []
+    sampler = threading.Thread(target=sample_pool_room, args=(redis_server.url, done, samples))
+    sampler.start()
+    try:
+        with multiprocessing.Pool(4 * len(hosts)) as pool:
+            results = pool.starmap(write_chunks, [
+                (str(host.mountpoint), f"h{i}w{writer}-", 8, 4 * MiB)
+                for i, host in enumerate(hosts) for writer in range(4)])
+    finally:
+        done.set()
+        sampler.join()
     assert sum(results) == 0  # eviction made room every time (none of it is pinned or open)
-    # Other hosts' staged bytes are counted as last reported (every TTL/4), and hosts that
-    # reserve at the same moment may together overshoot until the trim: once writes are
-    # done, every host shows the pool within its capacity, at once or after a trim.
+    # Every host claims room in one step with the check against the capacity: at no moment
+    # do committed bytes, or committed and claimed bytes, pass it.
+    assert len(samples) > 100
+    assert max(used for used, _ in samples) <= 64 * MiB
+    assert max(held for _, held in samples) <= 64 * MiB
     for host in hosts:
-        assert wait_for(lambda host=host: stats(host.mountpoint)["used_bytes"] <= 64 * MiB, 5)
+        assert stats(host.mountpoint)["used_bytes"] <= 64 * MiB
         assert stats(host.mountpoint)["capacity_bytes"] == 64 * MiB
-    # plus what the reapers have not deleted yet
-    assert blob_bytes_on_disk(hosts[0].data) <= 64 * MiB + 8 * MiB
     assert wait_for(lambda: blob_bytes_on_disk(hosts[0].data) <= 64 * MiB, 10)
     assert sum(stats(host.mountpoint)["evictions"] for host in hosts) >= 16
     assert_pool_counters_exact(hosts[0])
+    # Idle hosts give their spare room back: the claims end.
+    assert wait_for(lambda: not any(key.startswith(b"claim:") for key in
+                                    redis.Redis.from_url(redis_server.url).hkeys(
+                                        b"{kvfs}:counters")), 5)
 
 
 def test_a_file_open_on_one_host_is_never_evicted_by_another(shared_pool) -> None:

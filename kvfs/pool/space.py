@@ -167,7 +167,7 @@ class Space:
         the pool has it); evict what that takes, or ENOSPC."""
         async with self._claiming:
             await self._claim_again()
-            evicted = deletions_waited = False
+            evictions, deletions_waited = 0, False
             while growth > self._spare:
                 need = growth - self._spare
                 amount = max(need, self._granule)
@@ -184,9 +184,10 @@ class Space:
                 if not deletions_waited and await self.deletions_done():
                     deletions_waited = True  # (the room of files removed just now)
                     continue
-                if evicted or not await self._evict_for(capacity - need):
+                # (another host may take what an eviction freed before this claim does)
+                if evictions == EVICTION_ATTEMPTS or not await self._evict_for(capacity - need):
                     raise fail(errno.ENOSPC)
-                evicted = True
+                evictions += 1
 
     def _claim(self, amount: int) -> tuple[bool, int, int]:
         """Claim `amount` bytes (worker): granted where the pool and the volume have them;
