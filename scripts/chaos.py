@@ -32,7 +32,9 @@ Faults, one at a time (each kind once per shuffled round), at random moments:
 After each fault: both mounts must serve again (a file written on each is read back on the
 other); then, with the clients paused between passes, the pool's counters must equal an fsck
 recount, nothing but spares may be staged, used bytes and the blob files must be within the
-capacity, and no request may have ended in an unexpected error (`handler_errors`). Every
+capacity, and no request may have ended in an unexpected error (`handler_errors`). The
+pool's committed bytes, sampled ten times a second throughout, must never pass the capacity.
+Every
 client pass is judged by the fault whose window it overlaps: a byte read that differs from
 what was written is a violation wherever it happens; an error is one unless
 docs/operations.md ("When the daemon dies") or docs/multi-host.md ("Durability and
@@ -431,6 +433,8 @@ class Chaos:
         self.sampling = threading.Event()  # set: the sampler stops
         self.used_max = 0
         self.used_over = 0  # samples above the capacity
+        self.held_max = 0  # ... of committed and claimed bytes
+        self.samples = 0
         self.deadline = 0.0  # (monotonic) no fault starts after this
 
     # -- set-up ----------------------------------------------------------------------------
@@ -868,17 +872,22 @@ class Chaos:
     # -- the whole run ---------------------------------------------------------------------
 
     def sample_usage(self) -> None:
-        """The pool's used bytes, read from Redis twice a second: committed bytes may pass
-        the capacity for a moment while hosts write at once (multi-host.md), so samples are
-        reported; the quiet checks after each fault hold the line."""
+        """The pool's committed bytes, and those and the hosts' claims, read from Redis in
+        one step ten times a second: hosts claim room before their writers stage, checked
+        against the capacity in the same step, so no sample may pass it (`finish`)."""
         client = Redis.from_url(self.redis.url, socket_timeout=1, socket_connect_timeout=0.5)
-        while not self.sampling.wait(0.5):
+        while not self.sampling.wait(0.1):
             try:
-                used = int(client.hget(b"{kvfs}:counters", b"used_bytes") or 0)
+                counters = client.hgetall(b"{kvfs}:counters")
             except RedisError:  # (restarting)
                 continue
+            used = int(counters.get(b"used_bytes", 0))
+            held = used + sum(int(value) for key, value in counters.items()
+                              if key.startswith(b"claim:"))
             self.used_max = max(self.used_max, used)
+            self.held_max = max(self.held_max, held)
             self.used_over += used > self.capacity
+            self.samples += 1
         client.close()
 
     def run(self) -> None:
@@ -936,6 +945,9 @@ class Chaos:
             self.violation(self.calm, f"final fsck exited {checked.returncode}: "
                                       f"{self.fsck_output[-800:]}")
         self.log_problems = log_problems(self.data / "kvfs.log")
+        if self.used_over:
+            self.violation(self.calm, f"committed bytes above the capacity in {self.used_over} "
+                                      f"samples (at most {human(self.used_max)})")
         self.finished = True
 
     def cleanup(self) -> None:
@@ -1032,9 +1044,10 @@ class Chaos:
         for note, count in Counter(self.notes).items():
             self.console.print(f"note: {note}" + (f" (x{count})" if count > 1 else ""),
                                highlight=False)
-        self.console.print(f"used bytes sampled: at most {human(self.used_max)} of "
-                           f"{human(self.capacity)}; {self.used_over} samples above",
-                           highlight=False)
+        self.console.print(f"committed bytes in {self.samples:,} samples: at most "
+                           f"{human(self.used_max)} of {human(self.capacity)}, "
+                           f"{self.used_over} above; with the claims at most "
+                           f"{human(self.held_max)}", highlight=False)
         for message, count in Counter(
                 NUMBERS.sub("N", problem.splitlines()[0].split(": ", 1)[-1])
                 for problem in self.log_problems).most_common(12):
@@ -1061,8 +1074,10 @@ class Chaos:
             "clients": {c.name: asdict(c.tally) | ({"setup_error": c.setup_error}
                                                    if c.setup_error else {})
                         for c in self.clients},
-            "used_bytes_sampled": {"max": self.used_max, "samples_above_capacity":
-                                   self.used_over, "capacity": self.capacity},
+            "used_bytes_sampled": {"samples": self.samples, "max": self.used_max,
+                                   "samples_above_capacity": self.used_over,
+                                   "max_with_claims": self.held_max,
+                                   "capacity": self.capacity},
             "notes": self.notes, "violations": self.violations, "fsck": self.fsck_output,
             "kvfs_log_problems": self.log_problems[:200],
         }

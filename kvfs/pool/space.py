@@ -2,8 +2,11 @@
 
 One capacity for everything written through the mount, whoever writes it. Used bytes are the
 bytes committed blobs take on the volume (kept in the metadata store; holes take none) plus
-what open write handles have staged (in a shared pool: on every host, as last reported). The
-effective capacity is the configured one, or less when the volume itself has less room.
+the room each host claims for what its writers stage: a claim is checked against the
+capacity and granted in one step of the metadata engine, in granules, so hosts writing at
+once never together pass the capacity; a commit gives back what its file staged in its own
+change, and an idle host gives back the rest. The effective capacity is the configured one,
+or less when the volume itself has less room.
 
 Eviction drops least-recently-used files, with all their names. It never takes a file that is
 open (in a shared pool: on any host), that carries the `user.kvfs.pin` attribute or has a
