@@ -461,6 +461,8 @@ def test_redis_restart_mid_run_the_mounts_recover(shared_pool, redis_server) -> 
     # Creates that commit from the request loop have a connection of their own, which the
     # restart broke: it connects again.
     assert wait_for(lambda: stored_from_the_loop(second, next(directories)), 20)
+    drops = stats(second.mountpoint)["metadata_loop_drops"]
+    assert drops.get("broken", 0) >= 1 and "deadline" not in drops, drops
     mine = sorted(name for name in os.listdir(second.mountpoint) if name.startswith("mine-"))
     assert wait_for(lambda: [_read(first.mountpoint / name / "file") for name in mine]
                     == [name.encode() for name in mine], 20)

@@ -142,6 +142,11 @@ class LoopChanges(Protocol):
 
     loop_commits: int  # changes committed from the loop
 
+    @property
+    def loop_drops(self) -> dict[str, int]:
+        """Times the loop's own connection was dropped, by cause."""
+        ...
+
     async def change_on_loop(self, function: Callable[[], T]) -> T:
         """Call `function`, which makes one change and has no other effects (it may run
         twice), committing from the loop; RoundTripNeeded where a worker must call it."""

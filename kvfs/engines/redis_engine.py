@@ -445,6 +445,10 @@ class RedisEngine:
             raise fail(errno.EIO)
         return int(value)
 
+    @property
+    def loop_drops(self) -> dict[str, int]:
+        return dict(self.loop_connection.drops)
+
     def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
         answer = self.call(self.claim_script,
                            [POOL_KEY, counter_key("counters"), record_key("settings", CAPACITY)],

@@ -18,6 +18,7 @@ order, each by the task that sent its request.
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
@@ -63,6 +64,10 @@ class LoopConnection:
         self.password = unquote(parsed.password) if parsed.password else None
         self._pipe: _Pipe | None = None
         self._connecting = trio.Lock()
+        # connections dropped, by cause: "deadline" (a request past it, or cancelled: what
+        # the connection holds is unknown), "failover" (the server became a replica),
+        # "broken" (refused, reset or closed by the server)
+        self.drops: Counter[str] = Counter()
 
     async def script(self, sha: str, source: str, keys: list[bytes],
                      args: list[bytes | int]) -> object:
@@ -72,7 +77,7 @@ class LoopConnection:
             reply = await self.request(b"EVAL", source, len(keys), *keys, *args)
         if isinstance(reply, hiredis.ReplyError) and str(reply).startswith(NOT_SERVING):
             if str(reply).startswith("READONLY") and self._pipe is not None:
-                self._drop(self._pipe)  # a master that became a replica (failover): anew
+                self._drop(self._pipe, "failover")  # a master that became a replica: anew
             raise LoopConnectionError(f"{self.host}:{self.port}: {reply}")
         if isinstance(reply, hiredis.ReplyError):
             raise reply
@@ -101,11 +106,11 @@ class LoopConnection:
         try:
             return await pipe.send_and_receive(request)
         except (OSError, LoopConnectionError):
-            self._drop(pipe)
+            self._drop(pipe, "broken")
             if not reused:
                 raise
         except BaseException:  # (a timeout, mid-request: what the connection holds is unknown)
-            self._drop(pipe)
+            self._drop(pipe, "deadline")
             raise
         # A connection kept since an earlier request was closed by the server (a restart):
         # nothing of this request came back; send it once more on a new connection. (Had the
@@ -113,14 +118,18 @@ class LoopConnection:
         pipe = await self._connected()
         try:
             return await pipe.send_and_receive(request)
+        except (OSError, LoopConnectionError):
+            self._drop(pipe, "broken")
+            raise
         except BaseException:
-            self._drop(pipe)
+            self._drop(pipe, "deadline")
             raise
 
-    def _drop(self, pipe: _Pipe) -> None:
+    def _drop(self, pipe: _Pipe, cause: str) -> None:
         """A connection failed: closed, and the requests waiting on it find out."""
         if self._pipe is pipe:
             self._pipe = None
+            self.drops[cause] += 1
         pipe.close()
 
     async def _connected(self) -> _Pipe:

@@ -80,6 +80,9 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "metadata_unreachable": getattr(meta.engine, "unreachable", 0),
         "metadata_loop_commits": (meta.engine.loop_commits
                                   if isinstance(meta.engine, LoopChanges) else 0),
+        # (shared engine) the loop's own Redis connection dropped, by cause
+        "metadata_loop_drops": (meta.engine.loop_drops
+                                if isinstance(meta.engine, LoopChanges) else {}),
         "hosts": hosts,
         "models": models,
         "loads": loads.as_dict(),

@@ -115,6 +115,12 @@ def _families(state: dict | None) -> Iterator[Family]:
         for path in ("passthrough", "daemon"):
             opens.add_metric([access, path], state[f"{prefix}{path}"])
     yield opens
+    drops = CounterMetricFamily("kvfs_metadata_loop_drops",
+                                "Shared pool: the request loop's Redis connection dropped, by "
+                                "cause (deadline, broken, failover)", labels=["cause"])
+    for cause in ("deadline", "broken", "failover"):
+        drops.add_metric([cause], state["metadata_loop_drops"].get(cause, 0))
+    yield drops
     yield from _client_families(state["clients"])
     yield from _model_families(state)
 
