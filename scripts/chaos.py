@@ -134,6 +134,12 @@ ALLOWED: dict[str, set[str]] = {
     "full": {"ENOSPC", "short write", "ENOENT (rename)"},
     "none": set(),
 }
+# operations.md, Capacity: when the files being written on both hosts at once need more than
+# the capacity, stores fail as on a full filesystem (ENOSPC; a write served in parts comes
+# back short) and a file closed but not yet renamed may be evicted for another (vLLM's
+# rename: ENOENT). The soak's clients have up to 52 MiB in flight against 40 MiB, by design,
+# so these are allowed in any window; each is still counted and listed.
+POOL_PRESSURE = {"ENOSPC", "short write", "ENOENT (rename)"}
 # A write the daemon serves in parts (vLLM's 2 MiB O_DIRECT writes) of which a later part
 # fails (EIO, ENOTCONN, ENOSPC) returns the bytes written before: a "short write" to vLLM's
 # and numpy's checks, the same failure.
@@ -575,7 +581,7 @@ class Chaos:
             if problem == "EEXIST (temporary)" and any(
                     text.rstrip("'").endswith(name) for name in self.leftovers):
                 continue
-            if problem not in ALLOWED[fault.kind]:
+            if problem not in ALLOWED[fault.kind] | POOL_PRESSURE:
                 self.violation(fault, f"{client.name} {line['op']}: {problem}; the pass "
                                       f"logged: {' | '.join(texts)[:1200]}")
 
