@@ -33,6 +33,7 @@ from conftest import (
     kvfs_cli,
     pid_alive,
     run_mount,
+    stats,
     wait_dead,
     wait_for,
 )
@@ -375,6 +376,7 @@ def test_kill9_under_load_recovers_consistently(
             result = kvfs_cli("fsck", "--data", str(volume.data), "--repair")
             assert result.returncode == 0, result.stderr
         volume.mount()
+        assert stats(root)["claimed_bytes"] == 0  # (the killed daemon's claim went)
         done, started, reads, bad = journal_versions(group.logs)
         assert not bad, bad
         assert_only_spares_staged(volume.data, volume)

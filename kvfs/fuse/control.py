@@ -27,7 +27,7 @@ from pyfuse3 import FileInfo
 from kvfs.data.verify import VerifyMode
 from kvfs.engines.interface import LoopChanges
 from kvfs.files.passthrough import Passthrough
-from kvfs.meta import ROOT_INO, Inode, MetaStore
+from kvfs.meta import ROOT_INO, Inode, MetaStore, Usage
 from kvfs.meta.calls import off_loop
 from kvfs.observe.loads import LoadMeter
 from kvfs.observe.stats import Stats
@@ -45,23 +45,25 @@ USER_XATTR = b"user."
 
 # The pool's figures each mount last read (by id of its store), shown while its engine is
 # out of reach.
-_last_pool_view: dict[int, tuple[int, int, dict[str, dict[str, int]], int, int]] = {}
+_last_pool_view: dict[int, tuple[int, int, int, dict[str, dict[str, int]], int, int]] = {}
 
 
 async def snapshot(meta: MetaStore, space: Space, stats: Stats,
                    passthrough: Passthrough, verify: VerifyMode, loads: LoadMeter) -> dict:
     """The mount's state, taken on the loop (the metadata read in a worker)."""
-    def read() -> tuple[int, int, dict[str, dict[str, int]]]:
+    def read() -> tuple[Usage, int, dict[str, dict[str, int]]]:
         hosts = len(meta.pool.sessions()) if meta.engine.shared else 1
-        return meta.recency.usage().files, hosts, meta.recency.models()
+        return meta.recency.usage(), hosts, meta.recency.models()
 
     try:
-        files, hosts, models = await off_loop(read)
+        usage, hosts, models = await off_loop(read)
+        files, claimed = usage.files, usage.claimed
         capacity, used = await space.shown()
-        _last_pool_view[id(meta)] = files, hosts, models, capacity, used
+        _last_pool_view[id(meta)] = files, claimed, hosts, models, capacity, used
         reachable = True
     except FsError:  # (a shared engine out of reach: the counters still show, with the last view)
-        files, hosts, models, capacity, used = _last_pool_view.get(id(meta), (0, 0, {}, 0, 0))
+        files, claimed, hosts, models, capacity, used = _last_pool_view.get(
+            id(meta), (0, 0, 0, {}, 0, 0))
         reachable = False
     return {
         "data_path": passthrough.mode(),
@@ -70,6 +72,7 @@ async def snapshot(meta: MetaStore, space: Space, stats: Stats,
         "capacity_bytes": capacity,
         "used_bytes": used,
         "files": files,
+        "claimed_bytes": claimed,
         **stats.as_dict(),
         "metadata_conflicts": meta.engine.conflicts,
         # (shared engine) round trips that failed: no answer within the deadline, or refused

@@ -30,6 +30,7 @@ Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 GAUGES = {
     "capacity_bytes": ("capacity_bytes", "Bytes the pool may use"),
     "used_bytes": ("used_bytes", "Bytes in use in the pool (committed plus being written)"),
+    "claimed_bytes": ("claimed_bytes", "Room the pool's hosts hold for what their writers stage"),
     "files": ("files", "Files in the pool"),
     "hosts": ("hosts", "Mounts sharing the pool (1 on one host)"),
     "blobs_held": ("blobs_held", "Data files this host has open"),
