@@ -161,13 +161,17 @@ class Space:
         if growth <= 0:
             return
         if growth > self._spare:
-            await self._claim_at_least(growth)
+            await self._claim_for(growth)
+        else:
+            self._take(growth)
+
+    def _take(self, growth: int) -> None:
         self._spare -= growth
         self._reserved += growth
 
-    async def _claim_at_least(self, growth: int) -> None:
+    async def _claim_for(self, growth: int) -> None:
         """Claim room until this host's spare claim covers `growth` (a granule more where
-        the pool has it); evict what that takes, or ENOSPC."""
+        the pool has it), and take it; evict what that takes, or ENOSPC."""
         async with self._claiming:
             await self._claim_again()
             evictions, deletions_waited = 0, False
@@ -181,7 +185,7 @@ class Space:
                 self._granule = max(GRANULE_MIN, min(GRANULE_MAX, int(capacity * GRANULE_SHARE)))
                 if granted:
                     self._spare += amount
-                    return
+                    continue
                 if need > capacity:
                     raise fail(errno.ENOSPC)
                 if not deletions_waited and await self.deletions_done():
@@ -191,6 +195,7 @@ class Space:
                 if evictions == EVICTION_ATTEMPTS or not await self._evict_for(capacity - need):
                     raise fail(errno.ENOSPC)
                 evictions += 1
+            self._take(growth)
 
     def _claim(self, amount: int) -> tuple[bool, int, int]:
         """Claim `amount` bytes (worker): granted where the pool and the volume have them;
