@@ -152,6 +152,24 @@ def test_a_file_the_dead_daemon_opened_closes_without_an_error(make_mount) -> No
     assert (kvfs.mountpoint / "kept").read_bytes() == b"kept"
 
 
+def test_a_file_the_dead_daemon_gave_a_fresh_kernel_inode_opens_after_a_takeover(
+        make_mount) -> None:
+    """A writer beside a reader gets the file a fresh kernel inode (an alias); after a
+    takeover the kernel opens the alias the dead daemon named, which the next daemon refuses
+    (ESTALE), and retries once, on what a lookup names now: that must open, though the
+    kernel inode of the file's own number holds the reader's pages from before."""
+    kvfs = make_mount("--capacity", "1G")
+    page = kvfs.mountpoint / "page"
+    page.write_bytes(b"first")
+    with open(page, "rb") as reader:
+        assert reader.read() == b"first"
+        page.write_bytes(b"second")  # (its open beside the reader renews the kernel inode)
+        assert page.read_bytes() == b"second"  # the name now leads to the alias
+        kill_and_mount_again(kvfs)
+        assert page.read_bytes() == b"second"
+    assert stats(kvfs.mountpoint)["handler_errors"] == 0
+
+
 def test_mount_over_a_dead_kvfs_mount_clears_it(make_mount) -> None:
     kvfs = make_mount()
     (kvfs.mountpoint / "kept").write_bytes(b"committed before the kill")

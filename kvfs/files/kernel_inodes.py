@@ -58,6 +58,14 @@ class KernelInodes:
         file, which this daemon cannot know: an open there gets a fresh kernel inode."""
         return nodeid < self._inherited_below
 
+    def leave_inherited(self, ino: int) -> None:
+        """(A lookup of a regular file) Name a fresh kernel inode if the file's own may hold
+        an earlier daemon's state: an open there would be refused, and the kernel retries a
+        refused open once only, so after a refusal of an alias the earlier daemon gave, the
+        retry must find a kernel inode it can open."""
+        if ino not in self._current and self.inherited(ino):
+            self.renew(ino)
+
     def nodeid(self, ino: int) -> int:
         """The node id to tell the kernel for `ino` now."""
         return self._current.get(ino, ino)

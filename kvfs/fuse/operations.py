@@ -303,6 +303,8 @@ class KvfsOperations(pyfuse3.Operations):
             # lookup names a fresh one (kvfs/files/kernel_inodes.py), so that racing opens (and
             # the kernel's retries of refused ones) do not meet on one.
             self.kernel.renew(inode.ino)
+        elif stat.S_ISREG(inode.mode):
+            self.kernel.leave_inherited(inode.ino)
         self.space.note_use(inode.ino)
         self.files.prefetcher.looked_up(inode, caller(ctx))
         entry = self._entry(inode)  # it has a name: not a file unlinked while open
@@ -498,6 +500,8 @@ class KvfsOperations(pyfuse3.Operations):
             raise fail(errno.EACCES)
         if self.files.has_writer(inode.ino):
             self.kernel.renew(inode.ino)  # (as a lookup does: `_looked_up`)
+        else:
+            self.kernel.leave_inherited(inode.ino)
         nodeid = self.kernel.nodeid(inode.ino)
         try:
             opened = await self.files.open(inode.ino, flags, caller(ctx), nodeid=nodeid)
