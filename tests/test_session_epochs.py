@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 from conftest import blob_files, drop_caches, stats, wait_for
 from test_meta_engines import BLOCK, mkfile, new_blob
 from test_shared import assert_pool_counters_exact, fsck
@@ -162,3 +163,36 @@ def test_a_content_commit_refuses_the_staging_directory_of_a_claimed_session(
         assert meta.content.blob_info(blob.blob_id) is not None
     finally:
         meta.close()
+
+
+def test_a_write_that_waited_through_its_hosts_stall_claims_under_the_new_session(
+        shared_pool, redis_server) -> None:
+    """A write queued while its host stalled past the TTL is served as the host wakes,
+    maybe before it learns that it was reaped: its claim on the pool's room must not land
+    under the ended session (nothing would end it again), but under the new one, and every
+    claim ends once the hosts are idle."""
+    first, second = shared_pool(2, "--capacity", "256M")
+    payload = os.urandom(4 << 20)
+    fd = os.open(first.mountpoint / "queued", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: stats(second.mountpoint)["sessions_reaped"] == 1, 30)
+            writer = threading.Thread(target=os.write, args=(fd, payload))
+            writer.start()
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        writer.join(30)
+        assert not writer.is_alive()
+    finally:
+        os.close(fd)
+    assert wait_for(lambda: stats(first.mountpoint)["sessions_lost"] == 1, 10)
+    assert wait_for(lambda: _read(second.mountpoint / "queued") == payload, 10)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert wait_for(lambda: not [key for key in client.hkeys(b"{kvfs}:counters")
+                                     if key.startswith(b"claim:")], 10)
+    finally:
+        client.close()
+    assert stats(first.mountpoint)["claimed_bytes"] == 0
+    assert_pool_counters_exact(first)

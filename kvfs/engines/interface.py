@@ -97,10 +97,13 @@ class Engine(Protocol):
         returns its new value (id stocks)."""
         ...
 
-    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+    def claim(self, session: bytes, amount: int, live_mark: bytes | None = None
+              ) -> tuple[bool, int, int]:
         """Add `amount` to `session`'s claim on the pool's room at once, outside any change,
         if committed bytes and every claim then stay within the capacity (a negative amount
-        always does); returns (granted, capacity, committed bytes and claims before)."""
+        always does); returns (granted, capacity, committed bytes and claims before).
+        ESTALE, claiming nothing, where the setting `live_mark` is given and absent (a
+        reaper ended the session: its claim went with it)."""
         ...
 
     def has_room(self) -> bool:

@@ -345,7 +345,9 @@ class LmdbEngine:
             return txn.count("counters", key)
         return self.change(change)
 
-    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+    def claim(self, session: bytes, amount: int, live_mark: bytes | None = None
+              ) -> tuple[bool, int, int]:
+        """(One host: no reaper ends its session, `live_mark` is not needed.)"""
         def change(txn: Txn) -> tuple[bool, int, int]:
             counters = txn.counts("counters")
             held = counters.get(USED_BYTES, 0) + claims_total(counters)

@@ -449,14 +449,20 @@ class RedisEngine:
     def loop_drops(self) -> dict[str, int]:
         return dict(self.loop_connection.drops)
 
-    def claim(self, session: bytes, amount: int) -> tuple[bool, int, int]:
+    def claim(self, session: bytes, amount: int, live_mark: bytes | None = None
+              ) -> tuple[bool, int, int]:
+        mark = record_key("settings", live_mark or b"")
         answer = self.call(self.claim_script,
-                           [POOL_KEY, counter_key("counters"), record_key("settings", CAPACITY)],
-                           [self.pool_guard or b"", CLAIM_PREFIX + session, amount])
+                           [POOL_KEY, counter_key("counters"), record_key("settings", CAPACITY),
+                            mark],
+                           [self.pool_guard or b"", CLAIM_PREFIX + session, amount,
+                            b"1" if live_mark is not None else b""])
         if answer is None:
             self.lose_pool()
             raise fail(errno.EIO)
         granted, capacity, held = (int(value) for value in answer)
+        if granted < 0:
+            raise fail(errno.ESTALE)
         return bool(granted), capacity, held
 
     def has_room(self) -> bool:

@@ -82,10 +82,12 @@ return redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
 """
 # A claim on the pool's room (Engine.claim): HINCRBY of KEYS[2]'s field ARGV[2] by ARGV[3] if
 # the field used_bytes plus every claim:* field plus ARGV[3] is at most the capacity (KEYS[3],
-# a big-endian u64), or ARGV[3] <= 0; only in the pool ARGV[1] (as ALLOCATE_SCRIPT). Returns
+# a big-endian u64), or ARGV[3] <= 0; only in the pool ARGV[1] (as ALLOCATE_SCRIPT) and, with
+# ARGV[4] = '1', while the session's live mark KEYS[4] is there (else {-1, 0, 0}). Returns
 # {granted, capacity, committed and claimed before}.
 CLAIM_SCRIPT = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[4]) == 0 then return {-1, 0, 0} end
 local counters, held = redis.call('HGETALL', KEYS[2]), 0
 for i = 1, #counters, 2 do
   local name = counters[i]

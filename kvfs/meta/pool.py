@@ -63,8 +63,11 @@ class Pool:
 
     def claim(self, amount: int) -> tuple[bool, int, int]:
         """Claim `amount` more bytes of the pool's room for this mount's writers (negative:
-        give back); (granted, capacity, committed and claimed bytes before)."""
-        return self.engine.claim(self.core.session, amount)
+        give back); (granted, capacity, committed and claimed bytes before). ESTALE where
+        a reaper ended this mount's session (its claim went with it)."""
+        session = self.core.session
+        return self.engine.claim(session, amount,
+                                 LIVE_SESSION + session if self.engine.shared else None)
 
     def add_claim(self, amount: int) -> None:
         """Add to this mount's claim whatever the room left (what its writers staged already)."""

@@ -178,10 +178,10 @@ class Space:
             while growth > self._spare:
                 need = growth - self._spare
                 amount = max(need, self._granule)
-                granted, capacity, used = await self.meta_call(self._claim, amount)
+                granted, capacity, used = await self._claim_room(amount)
                 if not granted and amount > need:
                     amount = need
-                    granted, capacity, used = await self.meta_call(self._claim, need)
+                    granted, capacity, used = await self._claim_room(need)
                 self._granule = max(GRANULE_MIN, min(GRANULE_MAX, int(capacity * GRANULE_SHARE)))
                 if granted:
                     self._spare += amount
@@ -196,6 +196,18 @@ class Space:
                     raise fail(errno.ENOSPC)
                 evictions += 1
             self._take(growth)
+
+    async def _claim_room(self, amount: int) -> tuple[bool, int, int]:
+        """(Under `_claiming`) `_claim`; where a reaper ended this host's session (it was
+        stalled past the session TTL), once more when it has registered again."""
+        try:
+            return await self.meta_call(self._claim, amount)
+        except FsError as error:
+            if error.errno != errno.ESTALE:
+                raise
+        await self.session.catch_up()
+        await self._claim_again()
+        return await self.meta_call(self._claim, amount)
 
     def _claim(self, amount: int) -> tuple[bool, int, int]:
         """Claim `amount` bytes (worker): granted where the pool and the volume have them;
@@ -232,7 +244,11 @@ class Space:
             elif self._spare > 2 * self._granule:
                 excess = self._spare - self._granule
                 self._spare -= excess
-                await self.meta_call(self.meta.pool.claim, -excess)
+                try:
+                    await self.meta_call(self.meta.pool.claim, -excess)
+                except FsError as error:  # (ESTALE: the claim went with the session)
+                    if error.errno != errno.ESTALE:
+                        raise
 
     async def _evict_for(self, target: int) -> bool:
         """`evict_to(target)`; if that fails just after the metadata came back from an
