@@ -440,6 +440,7 @@ class Chaos:
         self.used_max = 0
         self.used_over = 0  # samples above the capacity
         self.held_max = 0  # ... of committed and claimed bytes
+        self.loop_drops: dict[str, dict[str, int]] = {}  # host -> cause -> drops, at the end
         self.samples = 0
         self.deadline = 0.0  # (monotonic) no fault starts after this
 
@@ -937,6 +938,8 @@ class Chaos:
                                           f"{PAUSE_TIMEOUT:.0f} s (hung)")
             self.read_lines(client, self.calm)
         for name, host in self.hosts.items():
+            with contextlib.suppress(OSError, ValueError):  # (a host that is not serving)
+                self.loop_drops[name] = stats(host.mountpoint)["metadata_loop_drops"]
             if subprocess.run(["fusermount3", "-u", str(host.mountpoint)],
                               capture_output=True).returncode:
                 self.note(f"host {name} was busy at the end: unmounted lazily")
@@ -1059,6 +1062,8 @@ class Chaos:
                 for problem in self.log_problems).most_common(12):
             self.console.print(f"  kvfs.log x{count}: {message[:150]}", markup=False,
                                highlight=False)
+        self.console.print(f"loop connection drops by host and cause: {self.loop_drops}",
+                           highlight=False)
         verdict = self.fsck_output.splitlines()[-1] if self.fsck_output else "not run"
         self.console.print(f"kvfs.log: {len(self.log_problems)} warnings and worse; "
                            f"fsck: {verdict}", highlight=False)
@@ -1084,6 +1089,7 @@ class Chaos:
                                    "samples_above_capacity": self.used_over,
                                    "max_with_claims": self.held_max,
                                    "capacity": self.capacity},
+            "loop_connection_drops": self.loop_drops,
             "notes": self.notes, "violations": self.violations, "fsck": self.fsck_output,
             "kvfs_log_problems": self.log_problems[:200],
         }
