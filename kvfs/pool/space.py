@@ -107,7 +107,10 @@ class Space:
     async def used(self) -> int:
         """Bytes committed, and claimed by every host for its writers: what eviction and a
         claim count."""
-        usage = await self.meta_call(self.meta.recency.usage)
+        return self._held(await self.meta_call(self.meta.recency.usage))
+
+    def _held(self, usage: Usage) -> int:
+        """`used`, of a read of the usage (and this host's writes past its claim)."""
         return usage.used + usage.claimed + max(0, -self._spare)
 
     async def capacity(self) -> int:
@@ -117,15 +120,14 @@ class Space:
         """(capacity, used bytes): the configured capacity, or what fits on the volume if
         that is less, and the bytes committed and claimed (all of every host's claims)."""
         usage, volume_room = await self._read_room()
-        used = usage.used + usage.claimed + max(0, -self._spare)
-        return max(0, min(usage.capacity, used + volume_room)), used
+        return _fitting(usage, volume_room, self._held(usage))
 
     async def shown(self) -> tuple[int, int]:
         """`room` as `df` and the stats show it: this host's writers count with what they
         staged and reserve, not with the spare room its claim holds for them."""
         usage, volume_room = await self._read_room()
-        used = usage.used + usage.claimed - usage.claimed_here + self.staged + self._reserved
-        return max(0, min(usage.capacity, used + volume_room)), used
+        return _fitting(usage, volume_room, usage.used + usage.claimed - usage.claimed_here
+                        + self.staged + self._reserved)
 
     async def _read_room(self) -> tuple[Usage, int]:
         """One statvfs and one metadata read (inline on one host, a worker's on a shared
@@ -437,3 +439,8 @@ class Space:
                 self.stats.background_errors += 1
                 log.exception("space upkeep failed")
             await trio.sleep(TICK_SECONDS)
+
+
+def _fitting(usage: Usage, volume_room: int, used: int) -> tuple[int, int]:
+    """(capacity in effect, `used`): the configured one, or what fits on the volume."""
+    return max(0, min(usage.capacity, used + volume_room)), used
